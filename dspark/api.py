@@ -1,0 +1,180 @@
+"""Text-level entry points: `generate` and `stream`, with chat templates and stop strings."""
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.drafters import Drafter, load_drafter
+from dspark.errors import DsparkError
+from dspark.generation import GenerationStats, speculative_decode
+from dspark.loading import LoadedTarget, load_target
+from dspark.sampling import SamplingParams, make_generator
+from dspark.target import Target
+
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+    finish_reason: str = "length"
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "num_rounds": self.stats.num_rounds,
+            "tau": round(self.stats.tau, 4),
+            "tokens_per_s": round(self.stats.tokens_per_s, 3),
+            "stats": self.stats.to_dict(),
+        }
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_target(spec: str) -> LoadedTarget:
+    return load_target(spec)
+
+
+def resolve(target: str | LoadedTarget, drafter: str | Drafter) -> tuple[LoadedTarget, Drafter]:
+    loaded = _cached_target(target) if isinstance(target, str) else target
+    if isinstance(drafter, str):
+        drafter = load_drafter(drafter, loaded.model)
+    return loaded, drafter
+
+
+def prompt_ids(loaded: LoadedTarget, prompt: str | Messages, chat: bool = True) -> torch.Tensor:
+    """Token ids of the prompt, through the target's chat template unless `chat` is False."""
+    if isinstance(prompt, str) and not prompt.strip():
+        raise DsparkError("prompt is empty")
+    if isinstance(prompt, list) and not prompt:
+        raise DsparkError("messages are empty")
+    tokenizer = loaded.tokenizer
+    if tokenizer is None:
+        raise DsparkError(f"target {loaded.name} has no tokenizer; pass token ids instead")
+    if chat and tokenizer.chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        ids = encoded["input_ids"]
+    else:
+        text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        ids = tokenizer(text)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def eos_token_ids(loaded: LoadedTarget) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (loaded.model.generation_config, loaded.model.config, loaded.tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update(eos if isinstance(eos, list | tuple | set) else [eos])
+    return frozenset(int(i) for i in ids)
+
+
+def _validate(max_new_tokens: int, block_size: int) -> None:
+    if max_new_tokens <= 0:
+        raise DsparkError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    if block_size < 0:
+        raise DsparkError(f"block_size must be >= 0, got {block_size}")
+
+
+def _stop_cut(text: str, stop: list[str]) -> int | None:
+    hits = [text.find(s) for s in stop if s and s in text]
+    return min(hits) if hits else None
+
+
+@dataclass
+class TextStream:
+    """Iterator of text deltas; `result` holds the full GenerationResult once exhausted."""
+
+    _deltas: Iterator[str]
+    result: GenerationResult | None = field(default=None)
+
+    def __iter__(self) -> Iterator[str]:
+        return self._deltas
+
+
+def stream(
+    prompt: str | Messages,
+    *,
+    target: str | LoadedTarget = "default",
+    drafter: str | Drafter = "default",
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = 0,
+    chat: bool = True,
+    stop: list[str] | None = None,
+    block_size: int = 7,
+) -> TextStream:
+    """Generate with speculative decoding, yielding text as it is committed."""
+    sampling = SamplingParams(temperature, top_k, top_p)
+    _validate(max_new_tokens, block_size)
+    loaded, drafter = resolve(target, drafter)
+    ids = prompt_ids(loaded, prompt, chat)
+    handle = TextStream(iter(()))
+    handle._deltas = _run(handle, loaded, drafter, ids, max_new_tokens, sampling, seed, stop or [], block_size)
+    return handle
+
+
+def _run(handle: TextStream, loaded: LoadedTarget, drafter: Drafter, ids: torch.Tensor, max_new_tokens: int,
+         sampling: SamplingParams, seed: int | None, stop: list[str], block_size: int) -> Iterator[str]:
+    tokenizer = loaded.tokenizer
+    stats = GenerationStats()
+    if drafter.max_block_size is not None:
+        block_size = min(block_size, drafter.max_block_size)
+    target = Target(loaded.model, drafter.target_layer_ids)
+    tokens: list[int] = []
+    sent = 0
+    holdback = max((len(s) for s in stop), default=1) - 1
+    finish = "length"
+    chunks = speculative_decode(
+        target, drafter, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+        generator=make_generator(seed), block_size=block_size, eos_token_ids=eos_token_ids(loaded), stats=stats,
+    )
+    text = ""
+    for chunk in chunks:
+        tokens.extend(chunk)
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        cut = _stop_cut(text, stop)
+        if cut is not None:
+            tokens = _tokens_through_stop(tokenizer, tokens, stop)
+            text, finish = text[:cut], "stop"
+            break
+        ready = len(text) - holdback
+        while ready > sent and text[ready - 1] == "\ufffd":
+            ready -= 1
+        if ready > sent:
+            yield text[sent:ready]
+            sent = ready
+    else:
+        finish = stats.finish_reason
+    chunks.close()
+    if len(text) > sent:
+        yield text[sent:]
+    stats.finish_reason = finish
+    stats.num_generated = len(tokens)
+    handle.result = GenerationResult(text, tokens, stats, finish)
+
+
+def _tokens_through_stop(tokenizer, tokens: list[int], stop: list[str]) -> list[int]:
+    """The shortest prefix of `tokens` whose text contains a stop string (HF keeps that token)."""
+    for n in range(1, len(tokens) + 1):
+        if _stop_cut(tokenizer.decode(tokens[:n], skip_special_tokens=True), stop) is not None:
+            return tokens[:n]
+    return tokens
+
+
+def generate(prompt: str | Messages, **options) -> GenerationResult:
+    """Generate a whole answer; options as for `stream`."""
+    handle = stream(prompt, **options)
+    for _ in handle:
+        pass
+    assert handle.result is not None
+    return handle.result

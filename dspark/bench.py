@@ -1,0 +1,138 @@
+"""`dspark bench speed`: batch-1 greedy decoding, every method run on every prompt, interleaved, in
+one process, so the reported ratios share the machine's conditions. Absolute times are not evidence
+on shared machines; the ratios are."""
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.api import eos_token_ids, prompt_ids
+from dspark.drafters import load_drafter
+from dspark.eval.datasets import load_prompts
+from dspark.generation import GenerationStats, speculative_decode
+from dspark.loading import LoadedTarget, load_target
+from dspark.sampling import SamplingParams
+from dspark.target import Target
+
+
+@dataclass
+class MethodTally:
+    tokens: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    accepted: int = 0
+    identical: bool = True
+    has_rounds: bool = False
+    per_prompt: list[float] = field(default_factory=list)
+
+    def add(self, num_tokens: int, seconds: float, stats: GenerationStats | None, same: bool) -> None:
+        self.tokens += num_tokens
+        self.seconds += seconds
+        self.identical &= same
+        self.per_prompt.append(num_tokens / seconds if seconds else 0.0)
+        if stats is not None:
+            self.has_rounds = True
+            self.rounds += stats.num_rounds
+            self.accepted += sum(stats.accepted_per_round)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tau(self) -> float | None:
+        return (self.accepted + self.rounds) / self.rounds if self.has_rounds and self.rounds else None
+
+
+def hf_generate(loaded: LoadedTarget, ids: torch.Tensor, max_new_tokens: int, **extra) -> list[int]:
+    model = loaded.model
+    with torch.inference_mode():
+        output = model.generate(
+            ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=loaded.tokenizer.pad_token_id or 0, **extra,
+        )
+    return output[0, ids.shape[0]:].tolist()
+
+
+def ours(loaded: LoadedTarget, drafter, ids: torch.Tensor, max_new_tokens: int, block_size: int):
+    stats = GenerationStats()
+    target = Target(loaded.model, drafter.target_layer_ids)
+    if drafter.max_block_size is not None:
+        block_size = min(block_size, drafter.max_block_size)
+    chunks = speculative_decode(target, drafter, ids, max_new_tokens=max_new_tokens, sampling=SamplingParams(),
+                                generator=None, block_size=block_size, eos_token_ids=eos_token_ids(loaded),
+                                stats=stats)
+    tokens = [token for chunk in chunks for token in chunk]
+    return tokens, stats
+
+
+def run_speed_bench(args: argparse.Namespace) -> dict:
+    loaded = load_target(args.target)
+    prompts = load_prompts(args.dataset, args.num_prompts)
+    drafters = {"ours_vanilla": load_drafter("none", loaded.model), "ours_ngram": load_drafter("ngram", loaded.model)}
+    for spec in args.drafter or []:
+        drafters[f"ours_{spec.rstrip('/').split('/')[-1]}"] = load_drafter(spec, loaded.model)
+    methods = {
+        "hf_vanilla": lambda ids: (hf_generate(loaded, ids, args.max_new_tokens), None),
+        "hf_prompt_lookup": lambda ids: (hf_generate(
+            loaded, ids, args.max_new_tokens, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens), None),
+    }
+    for name, drafter in drafters.items():
+        methods[name] = lambda ids, d=drafter: ours(loaded, d, ids, args.max_new_tokens, args.block_size)
+
+    warm = prompt_ids(loaded, "Hello")
+    for run in methods.values():
+        run(warm[:8])
+    tallies = {name: MethodTally() for name in methods}
+    names = list(methods)
+    for index, prompt in enumerate(prompts):
+        ids = prompt_ids(loaded, prompt)
+        order = names[index % len(names):] + names[: index % len(names)]  # rotate to spread drift evenly
+        outputs = {}
+        timings = {}
+        for name in order:
+            start = time.perf_counter()
+            outputs[name] = methods[name](ids)
+            timings[name] = time.perf_counter() - start
+        reference = outputs["hf_vanilla"][0]
+        for name in names:
+            tokens, stats = outputs[name]
+            tallies[name].add(len(tokens), timings[name], stats, tokens == reference)
+        print(f"[bench] prompt {index + 1}/{len(prompts)}: {len(ids)} prompt tokens, "
+              f"{len(reference)} generated", file=sys.stderr)
+
+    base = tallies["hf_vanilla"].tokens_per_s
+    report = {
+        "benchmark": "speed",
+        "target": loaded.name,
+        "dataset": str(args.dataset),
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "block_size": args.block_size,
+        "torch_threads": torch.get_num_threads(),
+        "methods": {
+            name: {
+                "tokens_per_s": round(t.tokens_per_s, 3),
+                "speedup_vs_hf": round(t.tokens_per_s / base, 4) if base else None,
+                "tau": None if t.tau is None else round(t.tau, 4),
+                "identical_to_hf": t.identical,
+                "tokens": t.tokens,
+            }
+            for name, t in tallies.items()
+        },
+    }
+    _print_table(report)
+    print(json.dumps(report))
+    return report
+
+
+def _print_table(report: dict) -> None:
+    print(f"{'method':<24}{'tok/s':>10}{'vs HF':>10}{'tau':>8}  identical", file=sys.stderr)
+    for name, row in report["methods"].items():
+        tau = "-" if row["tau"] is None else f"{row['tau']:.2f}"
+        print(f"{name:<24}{row['tokens_per_s']:>10.2f}{row['speedup_vs_hf']:>10.3f}{tau:>8}  {row['identical_to_hf']}",
+              file=sys.stderr)

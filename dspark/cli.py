@@ -1,0 +1,112 @@
+"""`dspark` command line. Bad input exits non-zero with a one-line `error:` message."""
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from dspark.errors import DsparkError
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="default",
+                        help="HF model directory, offline hub id, GGUF file, or 'default' (SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", default="default", help="none | ngram | default | PATH to a drafter checkpoint")
+
+
+def add_generate_parser(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="generate text with speculative decoding")
+    add_model_args(parser)
+    parser.add_argument("prompt", help="the user message (or raw text with --no-chat)")
+    parser.add_argument("--block-size", type=int, default=7, help="most draft tokens verified per round (γ)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--stream", action="store_true", help="print text as it is generated")
+    parser.add_argument("--json", action="store_true", help="print one JSON line with text, ids and stats last")
+    parser.set_defaults(handler=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from dspark.api import stream
+
+    handle = stream(
+        args.prompt, target=args.target, drafter=args.drafter, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        chat=not args.no_chat, stop=args.stop, block_size=args.block_size,
+    )
+    for delta in handle:
+        if args.stream:
+            print(delta, end="", flush=True)
+    result = handle.result
+    if args.stream:
+        print()
+    elif not args.json:
+        print(result.text)
+    stats = result.stats
+    summary = (f"[dspark] {stats.num_generated} tokens, {stats.num_rounds} rounds, tau {stats.tau:.2f}, "
+               f"{stats.tokens_per_s:.1f} tokens/s")
+    print(summary, file=sys.stderr)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+
+
+def add_bench_parser(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks")
+    bench = parser.add_subparsers(dest="bench", required=True)
+    speed = bench.add_parser("speed", help="batch-1 greedy speed, all methods interleaved per prompt")
+    speed.add_argument("--target", default="default")
+    speed.add_argument("--drafter", action="append", default=None,
+                       help="extra drafter(s) to include besides vanilla/ngram (repeatable)")
+    speed.add_argument("--dataset", required=True, help="JSONL with {'turns': [...]} per line")
+    speed.add_argument("--num-prompts", type=_positive_int, default=5)
+    speed.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    speed.add_argument("--block-size", type=_positive_int, default=7)
+    speed.add_argument("--prompt-lookup-num-tokens", type=_positive_int, default=10)
+    speed.add_argument("--json", action="store_true")
+    speed.set_defaults(handler=run_bench_speed)
+
+
+def run_bench_speed(args: argparse.Namespace) -> None:
+    from dspark.bench import run_speed_bench
+
+    run_speed_bench(args)
+
+
+COMMANDS: list[Callable] = [add_generate_parser, add_bench_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for add in COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except DsparkError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

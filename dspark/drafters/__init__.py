@@ -1,0 +1,83 @@
+"""Drafter registry: `none`, `ngram`, `default` (the shipped checkpoint), or a checkpoint/model path."""
+
+import json
+from pathlib import Path
+
+from dspark.drafters.base import Draft, Drafter, NoDrafter
+from dspark.drafters.ngram import NgramDrafter
+from dspark.errors import DrafterLoadError
+
+SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-dspark"
+
+__all__ = ["Draft", "Drafter", "NoDrafter", "NgramDrafter", "load_drafter", "SHIPPED_DRAFTER"]
+
+
+def _checkpoint_kind(config: dict) -> str:
+    """Which drafter family a config.json describes (DeepSpec/vLLM architecture names)."""
+    declared = (config.get("dspark") or {}).get("drafter_type")
+    if declared:
+        return declared
+    architectures = " ".join(config.get("architectures") or [])
+    if "DSpark" in architectures and "MTP" not in architectures:
+        return "dspark"
+    if "Eagle3" in architectures or "eagle3" in architectures.lower():
+        return "eagle3"
+    if "MTP" in architectures:
+        return "mtp"
+    return "draft_lm"
+
+
+def load_drafter(spec: str, target_model, *, ngram_max: int = 3, ngram_min: int = 1) -> Drafter:
+    """Resolve a drafter spec against a loaded target model (HF `PreTrainedModel`)."""
+    if spec == "none":
+        return NoDrafter()
+    if spec == "ngram":
+        return NgramDrafter(max_ngram=ngram_max, min_ngram=ngram_min)
+    if spec == "default":
+        if (SHIPPED_DRAFTER / "config.json").is_file():
+            return load_drafter(str(SHIPPED_DRAFTER), target_model)
+        return NgramDrafter(max_ngram=ngram_max, min_ngram=ngram_min)
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise DrafterLoadError(f"drafter must be none, ngram, default or a checkpoint directory; not found: {spec}")
+    config_file = path / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except FileNotFoundError as error:
+        raise DrafterLoadError(f"drafter directory {spec} has no config.json") from error
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise DrafterLoadError(f"drafter config {config_file} is not valid JSON: {error}") from error
+    kind = _checkpoint_kind(config)
+    if kind in ("dspark", "dflash"):
+        from dspark.drafters.checkpoint import load_dspark
+
+        return load_dspark(path, target_model)
+    if kind == "eagle3":
+        from dspark.drafters.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter.from_pretrained(path, target_model)
+    if kind == "mtp":
+        from dspark.drafters.mtp import MTPDrafter
+
+        return MTPDrafter.from_pretrained(path, target_model)
+    return _load_draft_lm(path, target_model)
+
+
+def _load_draft_lm(path: Path, target_model) -> Drafter:
+    from transformers import AutoModelForCausalLM
+
+    from dspark.drafters.draft_lm import DraftLMDrafter
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=target_model.dtype, local_files_only=True)
+    except Exception as error:
+        first = (str(error).strip() or type(error).__name__).splitlines()[0][:300]
+        raise DrafterLoadError(f"could not load draft model {path}: {first}") from error
+    draft_vocab = model.get_output_embeddings().weight.shape[0]
+    target_vocab = target_model.get_output_embeddings().weight.shape[0]
+    if draft_vocab != target_vocab:
+        raise DrafterLoadError(
+            f"draft model {path} has a vocabulary of {draft_vocab} tokens but the target has {target_vocab}: "
+            "a draft model must share the target's tokenizer"
+        )
+    return DraftLMDrafter(model.to(target_model.device))

@@ -1,0 +1,38 @@
+"""Evaluation prompts in DeepSpec's format: one `{"turns": [...]}` (or `{"messages": [...]}`) per line."""
+
+import json
+from pathlib import Path
+
+from dspark.errors import DsparkError
+
+
+def load_prompts(path: str | Path, num_prompts: int | None = None) -> list[str]:
+    """First user turn of each record, in file order."""
+    path = Path(path)
+    if not path.is_file():
+        raise DsparkError(f"dataset not found: {path}")
+    prompts: list[str] = []
+    with path.open() as handle:
+        for line_number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DsparkError(f"{path}:{line_number}: not valid JSON ({error.msg})") from error
+            prompts.append(_first_turn(record, path, line_number))
+            if num_prompts is not None and len(prompts) >= num_prompts:
+                break
+    if not prompts:
+        raise DsparkError(f"dataset {path} holds no prompts")
+    return prompts
+
+
+def _first_turn(record: dict, path: Path, line_number: int) -> str:
+    if isinstance(record, dict) and record.get("turns"):
+        return str(record["turns"][0])
+    if isinstance(record, dict) and record.get("messages"):
+        users = [m["content"] for m in record["messages"] if m.get("role") == "user"]
+        if users:
+            return str(users[0])
+    raise DsparkError(f"{path}:{line_number}: expected a 'turns' or 'messages' field")

