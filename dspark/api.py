@@ -49,10 +49,7 @@ def resolve(target: str | LoadedTarget, drafter: str | Drafter) -> tuple[LoadedT
 
 def prompt_ids(loaded: LoadedTarget, prompt: str | Messages, chat: bool = True) -> torch.Tensor:
     """Token ids of the prompt, through the target's chat template unless `chat` is False."""
-    if isinstance(prompt, str) and not prompt.strip():
-        raise DsparkError("prompt is empty")
-    if isinstance(prompt, list) and not prompt:
-        raise DsparkError("messages are empty")
+    _validate_prompt(prompt)
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise DsparkError(f"target {loaded.name} has no tokenizer; pass token ids instead")
@@ -64,6 +61,13 @@ def prompt_ids(loaded: LoadedTarget, prompt: str | Messages, chat: bool = True) 
         text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
         ids = tokenizer(text)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
+
+
+def _validate_prompt(prompt: str | Messages) -> None:
+    if isinstance(prompt, str) and not prompt.strip():
+        raise DsparkError("prompt is empty")
+    if isinstance(prompt, list) and not prompt:
+        raise DsparkError("messages are empty")
 
 
 def eos_token_ids(loaded: LoadedTarget) -> frozenset[int]:
@@ -116,6 +120,7 @@ def stream(
     """Generate with speculative decoding, yielding text as it is committed."""
     sampling = SamplingParams(temperature, top_k, top_p)
     _validate(max_new_tokens, block_size)
+    _validate_prompt(prompt)
     loaded, drafter = resolve(target, drafter)
     ids = prompt_ids(loaded, prompt, chat)
     handle = TextStream(iter(()))

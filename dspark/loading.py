@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from dspark.errors import TargetLoadError
@@ -126,6 +127,7 @@ def resolve_target_dir(spec: str) -> tuple[Path | str, str]:
 def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedTarget:
     """Load model + tokenizer, offline only; every failure becomes a one-line TargetLoadError."""
     where, name = resolve_target_dir(spec)
+    transformers.utils.logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(where), dtype=dtype, local_files_only=True)
     except Exception as error:

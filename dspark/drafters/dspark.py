@@ -1,0 +1,539 @@
+"""DSpark drafter: a parallel backbone over the target's features plus a light sequential head.
+
+One round (paper section 3.1): the block [embed(anchor), embed(mask) × (γ-1)] goes through a few
+Qwen3-style layers whose queries come from the block and whose keys/values are
+[projected target context ; block]; attention inside the block is bidirectional. Slot k gives hidden
+h_k and base logits U_k (target's frozen LM head after our own `norm`), and predicts the k-th token
+after the anchor. A sequential head then adds a bias that depends on the tokens sampled earlier in
+the block, and a confidence head estimates the chance that each draft survives verification.
+
+The training forward (all anchors of a sequence at once, block attention mask) and the inference
+forward (per-request K/V cache of the projected context, grown by the committed positions of each
+round) compute the same function; tests check it.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.drafters.base import Draft, Drafter
+from dspark.drafters.heads import HEAD_TYPES, ConfidenceHead, build_sequential_head, sequential_logits
+from dspark.sampling import SamplingParams, probabilities, sample
+
+
+def default_target_layer_ids(num_target_layers: int, count: int = 5) -> tuple[int, ...]:
+    """`count` layers evenly spaced from layer 1 to L-3 (Qwen3-4B, L=36: 1, 9, 17, 25, 33).
+
+    Never the last layer: HF reports its output after the target's final norm.
+    """
+    if num_target_layers < 2:
+        raise ValueError(f"a DSpark target needs at least 2 layers, got {num_target_layers}")
+    last = max(num_target_layers - 3, 0)
+    first = min(1, last)
+    if count == 1:
+        return (last,)
+    return tuple(sorted({math.floor(first + i * (last - first) / (count - 1) + 0.5) for i in range(count)}))
+
+
+@dataclass
+class DSparkConfig:
+    """Drafter shape and options; field names follow DeepSpec's checkpoint config."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    mask_token_id: int
+    #: DeepSpec convention: id L = output of target layer L (0-based), -1 = embeddings; () = default.
+    target_layer_ids: tuple[int, ...] = ()
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    block_size: int = 7
+    num_hidden_layers: int = 5
+    markov_rank: int = 256
+    #: "vanilla" (Markov), "gated", "rnn", or None for no sequential head (DFlash).
+    markov_head_type: str | None = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    #: Sequential Temperature Scaling: T_k divides the confidence logit of block position k.
+    calibration_temperatures: list[float] | None = None
+    #: training only: anchors sampled per sequence (kept for DeepSpec config compatibility).
+    num_anchors: int = 512
+
+    def __post_init__(self) -> None:
+        if not self.target_layer_ids:
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers)
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        if self.markov_head_type in (None, "", "none") or self.markov_rank == 0:
+            self.markov_head_type, self.markov_rank = None, 0
+        # W1 lives in the Markov head: without one the confidence head sees h_k alone.
+        self.confidence_head_with_markov = bool(
+            self.enable_confidence_head and self.confidence_head_with_markov and self.markov_head_type
+        )
+        if self.calibration_temperatures is not None:
+            self.calibration_temperatures = [float(t) for t in self.calibration_temperatures]
+        self.validate()
+
+    def validate(self) -> None:
+        if self.markov_head_type is not None and self.markov_head_type not in HEAD_TYPES:
+            raise ValueError(
+                f"markov_head_type must be one of {HEAD_TYPES} or None, got {self.markov_head_type!r}"
+            )
+        if self.block_size < 1 or self.num_hidden_layers < 1 or self.markov_rank < 0:
+            raise ValueError("block_size and num_hidden_layers must be >= 1 and markov_rank >= 0")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"target_layer_ids has duplicates: {self.target_layer_ids}")
+        for layer_id in self.target_layer_ids:
+            if not -1 <= layer_id < self.num_target_layers:
+                raise ValueError(
+                    f"target layer id {layer_id} outside [-1, {self.num_target_layers - 1}] "
+                    f"for a target of {self.num_target_layers} layers"
+                )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})")
+        temperatures = self.calibration_temperatures
+        if temperatures is not None and (len(temperatures) != self.block_size or min(temperatures) <= 0):
+            raise ValueError(f"need {self.block_size} positive calibration temperatures, got {temperatures}")
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the concatenated target features the drafter reads: len(target_layer_ids) * D."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @classmethod
+    def for_target(cls, target_config, **overrides) -> "DSparkConfig":
+        """Drafter whose layers have the target's shape (as DeepSpec builds it); any field can be
+        overridden. The default mask token is the last vocabulary id: pass an unused id if the
+        tokenizer has one."""
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        heads = int(text.num_attention_heads)
+        rope = getattr(text, "rope_parameters", None) or {}
+        values = dict(
+            hidden_size=int(text.hidden_size),
+            intermediate_size=int(text.intermediate_size),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+            rms_norm_eps=float(getattr(text, "rms_norm_eps", None) or 1e-6),
+            rope_theta=float(rope.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0),
+            vocab_size=int(text.vocab_size),
+            num_target_layers=int(text.num_hidden_layers),
+            mask_token_id=int(text.vocab_size) - 1,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (B, N, head_dim) for absolute positions (B, N)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, N, hd); rotate-half convention of Llama/Qwen."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+class DSparkAttention(nn.Module):
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Roped keys and values (B, H_kv, N, hd) of x (B, N, D): block or projected context."""
+        batch, length, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context_kv: tuple[torch.Tensor, torch.Tensor] | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k, v = self.kv(x, cos, sin)
+        if context_kv is not None:
+            k = torch.cat([context_kv[0], k], 2)
+            v = torch.cat([context_kv[1], v], 2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+
+
+class DSparkMLP(nn.Module):
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DSparkDecoderLayer(nn.Module):
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        self.self_attn = DSparkAttention(config)
+        self.mlp = DSparkMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, context_kv, cos, sin, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context_kv, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ContextCache:
+    """One request's K/V of the projected target context, per draft layer. Preallocated and grown by
+    doubling, so a round only computes (and copies) the positions committed since the last one."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.length:
+            return None
+        return self.keys[index][:, :, : self.length], self.values[index][:, :, : self.length]
+
+    def append(self, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        end = self.length + kvs[0][0].shape[2]
+        if end > self.capacity:
+            capacity = max(end, 2 * self.capacity, 64)
+            keys = self.keys or [k for k, _ in kvs]  # first append: shapes and dtype from the new K/V
+            values = self.values or [v for _, v in kvs]
+            self.keys = [_resized(buf, capacity, self.length) for buf in keys]
+            self.values = [_resized(buf, capacity, self.length) for buf in values]
+        for i, (k, v) in enumerate(kvs):
+            self.keys[i][:, :, self.length : end] = k
+            self.values[i][:, :, self.length : end] = v
+        self.length = end
+
+
+def _resized(buf: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
+    new = buf.new_empty(buf.shape[0], buf.shape[1], capacity, buf.shape[3])
+    new[:, :, :length] = buf[:, :, :length]
+    return new
+
+
+def block_attention_mask(
+    anchor_positions: torch.Tensor, context_length: int, block_size: int
+) -> torch.Tensor:
+    """(B, 1, A*γ, T + A*γ) bool: a block sees the context strictly before its anchor (what the target
+    had processed when the anchor was emitted) and every slot of its own block."""
+    num_blocks = anchor_positions.shape[1]
+    device = anchor_positions.device
+    block_of = torch.arange(num_blocks * block_size, device=device) // block_size
+    anchors = anchor_positions[:, block_of]  # (B, A*γ): anchor of each query
+    sees_context = torch.arange(context_length, device=device) < anchors[..., None]
+    sees_block = (block_of[:, None] == block_of[None, :]).expand(anchors.shape[0], -1, -1)
+    return torch.cat([sees_context, sees_block], -1)[:, None]
+
+
+@dataclass
+class DSparkOutput:
+    """forward_train results; A = anchors per sequence, γ = block size."""
+
+    logits: torch.Tensor  # (B, A, γ, V) U_k + sequential bias (teacher-forced)
+    base_logits: torch.Tensor  # (B, A, γ, V) U_k
+    hidden: torch.Tensor  # (B, A, γ, D) h_k (after `norm`)
+    confidence_logits: torch.Tensor | None  # (B, A, γ) uncalibrated; c_k = sigmoid(. / T_k)
+
+
+class DSparkModel(nn.Module):
+    """Backbone + heads. The target's embedding and LM head are used, not owned: they are neither
+    saved, trained nor moved with this module (`share_embeddings`) unless a checkpoint brought its
+    own copies (`own_embeddings`)."""
+
+    def __init__(self, config: DSparkConfig, embed_tokens: nn.Module | None = None,
+                 lm_head: nn.Module | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DSparkDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.markov_head = build_sequential_head(
+            config.markov_head_type, config.vocab_size, config.markov_rank, config.hidden_size
+        )
+        self.confidence_head = None
+        if config.enable_confidence_head:
+            extra = config.markov_rank if config.confidence_head_with_markov else 0
+            self.confidence_head = ConfidenceHead(config.hidden_size, extra)
+        self._shared: tuple[nn.Module, nn.Module] | None = None
+        self.init_weights()
+        if embed_tokens is not None or lm_head is not None:
+            self.share_embeddings(embed_tokens, lm_head)
+
+    def init_weights(self, std: float = 0.02) -> None:
+        """HF-style init (normal(0, std), zero biases, unit norms) of our own parameters only."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    # -- the target's frozen embedding and LM head ---------------------------------------------
+
+    def share_embeddings(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+        if embed_tokens is None or lm_head is None:
+            raise ValueError("pass both the target's embedding and its LM head")
+        self._modules.pop("embed_tokens", None)
+        self._modules.pop("lm_head", None)
+        self._shared = (embed_tokens, lm_head)  # a plain tuple: not registered as submodules
+
+    def own_embeddings(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+        self._shared = None
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+
+    @property
+    def owns_embeddings(self) -> bool:
+        return "embed_tokens" in self._modules
+
+    def embeddings(self) -> tuple[nn.Module, nn.Module]:
+        if self.owns_embeddings:
+            return self._modules["embed_tokens"], self._modules["lm_head"]
+        if self._shared is None:
+            raise RuntimeError("DSparkModel has no embedding/LM head: call share_embeddings(...)")
+        return self._shared
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    # -- backbone ------------------------------------------------------------------------------
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """H_ctx = RMSNorm(W_c [H(l1); ...; H(lm)])."""
+        return self.hidden_norm(self.fc(features.to(self.dtype)))
+
+    def _block_input(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """[embed(anchor), embed(mask) × (γ-1)] for anchor_tokens (...,) -> (..., γ, D)."""
+        config = self.config
+        ids = anchor_tokens.new_full((*anchor_tokens.shape, config.block_size), config.mask_token_id)
+        ids[..., 0] = anchor_tokens
+        return self.embeddings()[0](ids).to(self.dtype)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
+
+    def _backbone(self, x, positions, context_kvs, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._rope(positions)
+        for layer, context_kv in zip(self.layers, context_kvs, strict=True):
+            x = layer(x, context_kv, cos, sin, mask)
+        hidden = self.norm(x)
+        lm_head = self.embeddings()[1]
+        return hidden, lm_head(hidden.to(lm_head.weight.dtype))
+
+    def confidence_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor | None:
+        """Uncalibrated confidence logits (...,) for hidden (..., D) and previous tokens (...,)."""
+        if self.confidence_head is None:
+            return None
+        prev = None
+        if self.config.confidence_head_with_markov:
+            prev = self.markov_head.prev_embedding(prev_tokens)
+        return self.confidence_head(hidden, prev).float()
+
+    def confidence(self, confidence_logits: torch.Tensor) -> torch.Tensor:
+        """c_k = sigmoid(logit_k / T_k) for logits (..., n), n <= γ block positions."""
+        temperatures = self.config.calibration_temperatures
+        if temperatures is not None:
+            n = confidence_logits.shape[-1]
+            temperatures = torch.tensor(temperatures[:n], device=confidence_logits.device)
+            confidence_logits = confidence_logits / temperatures
+        return torch.sigmoid(confidence_logits)
+
+    def forward_train(
+        self,
+        context_features: torch.Tensor,
+        input_ids: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        prev_tokens: torch.Tensor | None = None,
+    ) -> DSparkOutput:
+        """All blocks of a batch at once. context_features (B, T, F) target features of every
+        position, input_ids (B, T), anchor_positions (B, A). Block of anchor a sees features of
+        positions < a, exactly like inference. The sequential and confidence heads are teacher-forced
+        on prev_tokens (B, A, γ), by default the sequence itself: slot k's previous token sits at a+k."""
+        batch, length = input_ids.shape
+        num_blocks, gamma = anchor_positions.shape[1], self.config.block_size
+        offsets = torch.arange(gamma, device=input_ids.device)
+
+        context = self.project_context(context_features)
+        cos, sin = self._rope(torch.arange(length, device=input_ids.device).expand(batch, length))
+        context_kvs = [layer.self_attn.kv(context, cos, sin) for layer in self.layers]
+
+        x = self._block_input(input_ids.gather(1, anchor_positions)).flatten(1, 2)
+        block_positions = (anchor_positions[..., None] + offsets).flatten(1, 2)
+        mask = block_attention_mask(anchor_positions, length, gamma)
+        hidden, base_logits = self._backbone(x, block_positions, context_kvs, mask)
+        hidden = hidden.view(batch, num_blocks, gamma, -1)
+        base_logits = base_logits.view(batch, num_blocks, gamma, -1)
+
+        if prev_tokens is None:
+            prev_positions = block_positions.clamp(max=length - 1)  # past the end: masked by the loss
+            prev_tokens = input_ids.gather(1, prev_positions).view(batch, num_blocks, gamma)
+        logits = sequential_logits(self.markov_head, base_logits, hidden, prev_tokens)
+        return DSparkOutput(logits, base_logits, hidden, self.confidence_logits(hidden, prev_tokens))
+
+    def forward(self, context_features, input_ids, anchor_positions, prev_tokens=None) -> DSparkOutput:
+        """= forward_train, so DDP/FSDP wrappers (which hook `__call__`) see the training forward."""
+        return self.forward_train(context_features, input_ids, anchor_positions, prev_tokens)
+
+    # -- inference -------------------------------------------------------------------------------
+
+    def extend_context(self, cache: ContextCache, features: torch.Tensor) -> None:
+        """Append the K/V of n newly committed positions (features (n, F)) to one request's cache."""
+        positions = cache.length + torch.arange(features.shape[0], device=self.device)
+        context = self.project_context(features.to(self.device)[None])
+        cos, sin = self._rope(positions[None])
+        cache.append([layer.self_attn.kv(context, cos, sin) for layer in self.layers])
+
+    def draft_block(self, cache: ContextCache, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden (γ, D) and base logits (γ, V) of the block after `anchor`, which sits at position
+        cache.length (the cache covers everything before it)."""
+        x = self._block_input(anchor.reshape(1).to(self.device))
+        positions = cache.length + torch.arange(self.config.block_size, device=self.device)
+        context_kvs = [cache.layer(i) for i in range(len(self.layers))]
+        hidden, base_logits = self._backbone(x, positions[None], context_kvs, None)
+        return hidden[0], base_logits[0]
+
+
+@dataclass
+class DSparkState:
+    """Per request: the draft-side K/V of every committed position before the anchor."""
+
+    cache: ContextCache
+
+
+class DSparkDrafter(Drafter):
+    def __init__(self, model: DSparkModel, embed_tokens: nn.Module | None = None,
+                 lm_head: nn.Module | None = None) -> None:
+        if embed_tokens is not None or lm_head is not None:
+            model.share_embeddings(embed_tokens, lm_head)
+        model.embeddings()  # fail now, not in the first round
+        self.model = model.eval()
+        self.config = model.config
+        self.target_layer_ids = model.config.target_layer_ids
+        self.vocab_size = model.config.vocab_size
+        self.max_block_size = model.config.block_size
+
+    def start(self, prompt_ids: torch.Tensor, prompt_hidden: torch.Tensor | None) -> DSparkState:
+        state = DSparkState(ContextCache())
+        self.commit(state, prompt_hidden)
+        return state
+
+    @torch.inference_mode()
+    def commit(self, state: DSparkState, committed_hidden: torch.Tensor | None) -> None:
+        if committed_hidden is None:
+            raise ValueError(
+                "DSpark drafting needs target features: build the Target with "
+                f"layer_ids={self.target_layer_ids}"
+            )
+        if committed_hidden.shape[-1] != self.config.feature_size:
+            raise ValueError(
+                f"target features have width {committed_hidden.shape[-1]}, the drafter reads "
+                f"{self.config.feature_size} (layers {self.target_layer_ids})"
+            )
+        if committed_hidden.shape[0]:
+            self.model.extend_context(state.cache, committed_hidden)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        state: DSparkState,
+        context: torch.Tensor,
+        num_tokens: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        model = self.model
+        num_tokens = min(num_tokens, self.config.block_size)
+        if num_tokens <= 0:
+            return Draft.empty(model.device)
+        if state.cache.length != context.shape[0] - 1:
+            raise RuntimeError(
+                f"draft cache holds {state.cache.length} positions but the context before the anchor has "
+                f"{context.shape[0] - 1}: commit the features of every position that entered the target cache"
+            )
+        anchor = context[-1].to(model.device)
+        hidden, base_logits = model.draft_block(state.cache, anchor)  # always the full block, as trained
+
+        head = model.markov_head
+        head_state = None if head is None else head.initial_state(hidden[0])
+        prev, tokens, q = anchor, [], []
+        for k in range(num_tokens):
+            logits = base_logits[k]
+            if head is not None:
+                bias, head_state = head.step(head_state, prev, hidden[k])
+                logits = logits + bias
+            probs = probabilities(logits, sampling)
+            prev = probs.argmax(-1) if sampling.greedy else sample(probs, generator)
+            tokens.append(prev)
+            q.append(probs)
+        tokens = torch.stack(tokens)
+
+        prev_tokens = torch.cat([anchor[None], tokens[:-1]])
+        confidence_logits = model.confidence_logits(hidden[:num_tokens], prev_tokens)
+        confidence = None if confidence_logits is None else model.confidence(confidence_logits)
+        return Draft(tokens, torch.stack(q), confidence)

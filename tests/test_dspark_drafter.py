@@ -1,0 +1,315 @@
+"""DSpark drafter on tiny random models: train/serve parity, incremental context cache, checkpoints,
+proposal semantics, and lossless greedy decoding through the real generation loop."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
+
+from dspark.drafters.checkpoint import load_dspark, load_model, save_pretrained
+from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, default_target_layer_ids
+from dspark.errors import DrafterLoadError
+from dspark.generation import speculative_decode
+from dspark.sampling import SamplingParams, make_generator
+from dspark.target import Target
+
+VOCAB, HIDDEN, LAYERS = 96, 64, 4
+LAYER_IDS = (-1, 0, 2)  # embeddings + two layers: exercises the feature concatenation
+HEAD_TYPES = ["vanilla", "rnn", "gated", None]
+
+
+def tiny_target(vocab: int = VOCAB, hidden: int = HIDDEN, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaForCausalLM:
+    return tiny_target()
+
+
+def make_model(target, head_type="vanilla", block_size=5, seed=1, **overrides) -> DSparkModel:
+    torch.manual_seed(seed)
+    config = DSparkConfig.for_target(target.config, num_hidden_layers=2, markov_rank=16,
+                                     block_size=block_size, markov_head_type=head_type,
+                                     target_layer_ids=LAYER_IDS, **overrides)
+    model = DSparkModel(config, target.get_input_embeddings(), target.get_output_embeddings())
+    model.init_weights(std=0.2)  # larger than the training init, so the heads matter in the tests
+    return model.eval()
+
+
+@torch.no_grad()
+def features(target, ids: torch.Tensor, layer_ids=LAYER_IDS) -> torch.Tensor:
+    """Target features (B, T, m*D) the way dspark.target.Target taps them."""
+    hidden_states = target(ids, output_hidden_states=True).hidden_states
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], -1)
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36) == (1, 9, 17, 25, 33)  # DeepSpec's Qwen3-4B choice
+    ids = default_target_layer_ids(30)
+    assert len(ids) == 5 and ids[0] == 1 and ids[-1] == 27
+    assert default_target_layer_ids(4) == (1,)
+    assert DSparkConfig.for_target(tiny_target().config).target_layer_ids == (1,)
+
+
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_train_serve_parity(target, head_type):
+    """forward_train on batched anchors == per-request inference path (backbone, heads, confidence)."""
+    temperatures = [0.5, 1.0, 1.5, 2.0, 3.0] if head_type == "rnn" else None
+    model = make_model(target, head_type, calibration_temperatures=temperatures)
+    drafter = DSparkDrafter(model)
+    torch.manual_seed(2)
+    ids = torch.randint(0, VOCAB, (2, 24))
+    feats = features(target, ids)
+    anchors = torch.tensor([[1, 7, 12, 20], [3, 4, 15, 22]])
+    sampling = SamplingParams(temperature=1.0)
+
+    drafts, prev_tokens = {}, torch.zeros(2, 4, 5, dtype=torch.long)
+    for b in range(2):
+        for j, a in enumerate(anchors[b].tolist()):
+            state = drafter.start(ids[b, :a], feats[b, :a])
+            draft = drafter.propose(state, ids[b, : a + 1], 5, sampling, make_generator(b * 10 + j))
+            drafts[b, j] = (state, draft)
+            prev_tokens[b, j] = torch.cat([ids[b, a : a + 1], draft.tokens[:-1]])
+
+    with torch.no_grad():
+        out = model.forward_train(feats, ids, anchors, prev_tokens=prev_tokens)
+        # the block of anchor a must not see features of positions >= a
+        later = torch.arange(24)[None, :, None] >= anchors[:, :1, None]
+        perturbed = model.forward_train(feats + 5.0 * later, ids, anchors[:, :1],
+                                        prev_tokens=prev_tokens[:, :1])
+    torch.testing.assert_close(perturbed.logits, out.logits[:, :1])
+
+    for (b, j), (state, draft) in drafts.items():
+        hidden, base_logits = model.draft_block(state.cache, ids[b, anchors[b, j]])
+        torch.testing.assert_close(hidden, out.hidden[b, j], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(base_logits, out.base_logits[b, j], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(draft.q, out.logits[b, j].softmax(-1), atol=1e-6, rtol=1e-5)
+        if head_type is None:
+            torch.testing.assert_close(out.logits, out.base_logits)
+        confidence = model.confidence(out.confidence_logits[b, j])
+        torch.testing.assert_close(draft.confidence, confidence, atol=1e-6, rtol=1e-5)
+
+    # default teacher forcing reads the previous tokens from the sequence itself
+    b, j, a = 0, 2, int(anchors[0, 2])
+    forced = ids.clone()
+    forced[b, a + 1 : a + 5] = drafts[b, j][1].tokens[:4]
+    with torch.no_grad():
+        again = model.forward_train(feats, forced, anchors)
+    torch.testing.assert_close(again.logits[b, j], out.logits[b, j])
+
+
+def test_confidence_head_inputs(target):
+    markov = make_model(target, "vanilla")
+    assert markov.confidence_head.proj.in_features == HIDDEN + 16
+    dflash = make_model(target, None)
+    assert dflash.config.markov_rank == 0 and not dflash.config.confidence_head_with_markov
+    assert dflash.confidence_head.proj.in_features == HIDDEN and dflash.markov_head is None
+    assert make_model(target, "vanilla", enable_confidence_head=False).confidence_head is None
+
+
+def test_context_cache_grows_incrementally(target):
+    """Commit rounds (crossing the preallocated capacity) == one start on the full context."""
+    model = make_model(target, "rnn")
+    drafter = DSparkDrafter(model)
+    torch.manual_seed(3)
+    ids = torch.randint(0, VOCAB, (1, 75))
+    feats = features(target, ids)[0]
+    state = drafter.start(ids[0, :58], feats[:58])
+    position = 58
+    for n in (1, 3, 2, 1, 4, 5):
+        drafter.commit(state, feats[position : position + n])
+        position += n
+    assert state.cache.length == position == 74
+    fresh = drafter.start(ids[0, :position], feats[:position])
+
+    incremental = model.draft_block(state.cache, ids[0, position])
+    recomputed = model.draft_block(fresh.cache, ids[0, position])
+    for a, b in zip(incremental, recomputed, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    greedy = SamplingParams()
+    context = ids[0, : position + 1]
+    torch.testing.assert_close(drafter.propose(state, context, 5, greedy, None).tokens,
+                               drafter.propose(fresh, context, 5, greedy, None).tokens)
+    with pytest.raises(RuntimeError, match="draft cache holds"):
+        drafter.propose(state, ids[0, :position], 5, greedy, None)  # a context the cache does not match
+
+
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_greedy_propose_is_argmax_chain(target, head_type):
+    model = make_model(target, head_type)
+    drafter = DSparkDrafter(model)
+    torch.manual_seed(4)
+    ids = torch.randint(0, VOCAB, (1, 12))
+    feats = features(target, ids)
+    state = drafter.start(ids[0, :11], feats[0, :11])
+    draft = drafter.propose(state, ids[0], 10, SamplingParams(), None)
+    assert len(draft) == 5  # capped at the block size
+    prev = torch.cat([ids[0, 11:], draft.tokens[:-1]])[None, None]
+    with torch.no_grad():
+        logits = model.forward_train(feats, ids, torch.tensor([[11]]), prev_tokens=prev).logits[0, 0]
+    assert torch.equal(draft.tokens, logits.argmax(-1))
+    assert torch.equal(draft.q, torch.nn.functional.one_hot(draft.tokens, VOCAB).float())
+    assert draft.confidence.shape == (5,) and ((draft.confidence > 0) & (draft.confidence < 1)).all()
+    # a shorter proposal is a prefix: the backbone always runs the whole block, as in training
+    short = drafter.propose(state, ids[0], 2, SamplingParams(), None)
+    assert torch.equal(short.tokens, draft.tokens[:2])
+    assert len(drafter.propose(state, ids[0], 0, SamplingParams(), None)) == 0
+
+
+def test_sampled_propose(target):
+    drafter = DSparkDrafter(make_model(target, "rnn"))
+    torch.manual_seed(5)
+    ids = torch.randint(0, VOCAB, (1, 10))
+    state = drafter.start(ids[0, :9], features(target, ids)[0, :9])
+    sampling = SamplingParams(temperature=0.8, top_k=10)
+    draft = drafter.propose(state, ids[0], 5, sampling, make_generator(7))
+    torch.testing.assert_close(draft.q.sum(-1), torch.ones(5))
+    assert (draft.q[torch.arange(5), draft.tokens] > 0).all()
+    assert ((draft.q > 0).sum(-1) <= 10).all()
+    again = drafter.propose(state, ids[0], 5, sampling, make_generator(7))
+    assert torch.equal(draft.tokens, again.tokens) and torch.equal(draft.q, again.q)
+
+
+def test_save_load_bit_exact(target, tmp_path):
+    model = make_model(target, "rnn", calibration_temperatures=[1.0, 1.2, 1.4, 1.6, 1.8])
+    save_pretrained(model, tmp_path / "fp32")
+    config = json.loads((tmp_path / "fp32" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["markov_head_type"] == "rnn"
+    assert config["dspark"]["calibration_temperatures"] == [1.0, 1.2, 1.4, 1.6, 1.8]
+    drafter = load_dspark(tmp_path / "fp32", target)
+    loaded = drafter.model
+    assert loaded.config == model.config and not loaded.owns_embeddings
+    assert "embed_tokens.weight" not in loaded.state_dict()
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+    ids = torch.randint(0, VOCAB, (1, 8))
+    feats = features(target, ids)[0, :7]
+    sampling = SamplingParams(temperature=1.0)
+    a = DSparkDrafter(model).propose(DSparkDrafter(model).start(ids[0, :7], feats), ids[0], 5, sampling,
+                                     make_generator(0))
+    b = drafter.propose(drafter.start(ids[0, :7], feats), ids[0], 5, sampling, make_generator(0))
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.q, b.q)
+    assert torch.equal(a.confidence, b.confidence)
+
+    save_pretrained(model, tmp_path / "fp16", dtype=torch.float16)
+    half = load_model(tmp_path / "fp16")
+    assert half.dtype == torch.float16
+    for key, value in model.state_dict().items():
+        assert torch.equal(half.state_dict()[key], value.half()), key
+    assert load_dspark(tmp_path / "fp16", target).model.dtype == torch.float32  # follows the target
+    assert load_dspark(tmp_path / "fp32", Target(target)).model.config == model.config  # a dspark Target
+
+
+def deepspec_checkpoint(path, target, model: DSparkModel, embed: torch.Tensor, head: torch.Tensor) -> None:
+    """Write `model` the way DeepSpec does: a deep-copied Qwen3 config + DSpark fields, weights with
+    the (frozen) embedding and LM head included."""
+    c = model.config
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, rms_norm_eps=1e-6).to_dict()
+    config.update(architectures=["Qwen3DSparkModel"], num_target_layers=LAYERS, block_size=c.block_size,
+                  tie_word_embeddings=False, layer_types=["full_attention"] * c.num_hidden_layers,
+                  mask_token_id=c.mask_token_id, target_layer_ids=list(c.target_layer_ids), num_anchors=512,
+                  enable_confidence_head=True, confidence_head_with_markov=True, markov_rank=c.markov_rank,
+                  markov_head_type=c.markov_head_type)
+    config.pop("dspark", None)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    weights.update({"embed_tokens.weight": embed.clone(), "lm_head.weight": head.clone()})
+    save_file(weights, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("same_embeddings", [True, False])
+def test_deepspec_layout_checkpoint_loads(target, tmp_path, same_embeddings):
+    model = make_model(target, "vanilla")
+    embed = target.get_input_embeddings().weight.detach()
+    head = target.get_output_embeddings().weight.detach()
+    if not same_embeddings:
+        embed, head = embed + 0.5, head * 2.0
+    deepspec_checkpoint(tmp_path / "ckpt", target, model, embed, head)
+    drafter = load_dspark(tmp_path / "ckpt", target)
+    assert drafter.model.owns_embeddings is not same_embeddings  # identical copies are not kept twice
+    assert drafter.target_layer_ids == LAYER_IDS and drafter.max_block_size == 5
+
+    reference = make_model(target, "vanilla")
+    if not same_embeddings:
+        reference.share_embeddings(torch.nn.Embedding.from_pretrained(embed),
+                                   torch.nn.Linear(HIDDEN, VOCAB, bias=False))
+        reference.embeddings()[1].weight.data.copy_(head)
+    ids = torch.randint(0, VOCAB, (1, 9))
+    feats = features(target, ids)[0, :8]
+    expected = DSparkDrafter(reference)
+    sampling = SamplingParams(1.0)
+    want = expected.propose(expected.start(ids[0, :8], feats), ids[0], 5, sampling, make_generator(3))
+    got = drafter.propose(drafter.start(ids[0, :8], feats), ids[0], 5, sampling, make_generator(3))
+    assert torch.equal(want.tokens, got.tokens)
+    torch.testing.assert_close(want.q, got.q)
+
+
+def test_mismatched_target_refused(target, tmp_path):
+    save_pretrained(make_model(target), tmp_path / "ckpt")
+    other = tiny_target(vocab=128, hidden=32)
+    with pytest.raises(DrafterLoadError) as error:
+        load_dspark(tmp_path / "ckpt", other)
+    message = str(error.value)
+    assert "different target" in message
+    assert "vocabulary size 96 vs target 128" in message and "hidden size 64 vs target 32" in message
+
+
+def test_missing_or_corrupt_files_refused(target, tmp_path):
+    with pytest.raises(DrafterLoadError, match="not found"):
+        load_dspark(tmp_path / "nowhere", target)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DrafterLoadError, match="no config.json"):
+        load_dspark(tmp_path / "empty", target)
+
+    save_pretrained(make_model(target), tmp_path / "ckpt")
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DrafterLoadError, match="could not read drafter weights"):
+        load_dspark(tmp_path / "ckpt", target)
+    weights.unlink()
+    with pytest.raises(DrafterLoadError, match="no model.safetensors"):
+        load_dspark(tmp_path / "ckpt", target)
+
+    save_pretrained(make_model(target, "vanilla"), tmp_path / "wrong")
+    config_file = tmp_path / "wrong" / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "markov_head_type": "rnn"}))
+    with pytest.raises(DrafterLoadError, match="missing .*joint_proj"):
+        load_dspark(tmp_path / "wrong", target)
+    config_file.write_text("{not json")
+    with pytest.raises(DrafterLoadError, match="not valid JSON"):
+        load_dspark(tmp_path / "wrong", target)
+    config_file.write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(DrafterLoadError, match="Qwen3DSparkModel"):
+        load_dspark(tmp_path / "wrong", target)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 7, 16])
+def test_greedy_speculative_decoding_matches_hf_generate(target, block_size):
+    """A random drafter (mostly rejected) must not change greedy output by a single token."""
+    drafter = DSparkDrafter(make_model(target, "rnn", block_size=block_size))
+    torch.manual_seed(6)
+    prompt = torch.randint(3, VOCAB, (7,))
+    eos = target.generation_config.eos_token_id
+    with torch.no_grad():
+        expected = target.generate(prompt[None], attention_mask=torch.ones(1, 7, dtype=torch.long),
+                                   do_sample=False, max_new_tokens=20)[0, 7:].tolist()
+    tokens = []
+    chunks = speculative_decode(Target(target, layer_ids=drafter.target_layer_ids), drafter, prompt,
+                                max_new_tokens=20, sampling=SamplingParams(), generator=None,
+                                block_size=block_size, eos_token_ids=frozenset([eos]))
+    for chunk in chunks:
+        tokens.extend(chunk)
+    assert tokens == expected
