@@ -80,11 +80,24 @@ def eos_token_ids(loaded: LoadedTarget) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
-def _validate(max_new_tokens: int, block_size: int) -> None:
+def _validate(max_new_tokens: int, block_size: int | None) -> None:
     if max_new_tokens <= 0:
         raise DsparkError(f"max_new_tokens must be > 0, got {max_new_tokens}")
-    if block_size < 0:
+    if block_size is not None and block_size < 0:
         raise DsparkError(f"block_size must be >= 0, got {block_size}")
+
+
+def effective_block_size(drafter: Drafter, requested: int | None, default: int = 7) -> int:
+    """γ for this request: the drafter's own block size unless the caller asks for fewer.
+
+    A DSpark drafter is trained for its block size; asking for more would draft slots it never learnt.
+    """
+    limit = drafter.max_block_size
+    if requested is None:
+        return default if limit is None else limit
+    if limit is not None and requested > limit and limit > 0:
+        raise DsparkError(f"block size {requested} exceeds the drafter's block size {limit}; it can only be reduced")
+    return requested if limit is None else min(requested, limit)
 
 
 def _stop_cut(text: str, stop: list[str]) -> int | None:
@@ -115,13 +128,14 @@ def stream(
     seed: int | None = 0,
     chat: bool = True,
     stop: list[str] | None = None,
-    block_size: int = 7,
+    block_size: int | None = None,
 ) -> TextStream:
     """Generate with speculative decoding, yielding text as it is committed."""
     sampling = SamplingParams(temperature, top_k, top_p)
     _validate(max_new_tokens, block_size)
     _validate_prompt(prompt)
     loaded, drafter = resolve(target, drafter)
+    block_size = effective_block_size(drafter, block_size)
     ids = prompt_ids(loaded, prompt, chat)
     handle = TextStream(iter(()))
     handle._deltas = _run(handle, loaded, drafter, ids, max_new_tokens, sampling, seed, stop or [], block_size)
@@ -132,8 +146,6 @@ def _run(handle: TextStream, loaded: LoadedTarget, drafter: Drafter, ids: torch.
          sampling: SamplingParams, seed: int | None, stop: list[str], block_size: int) -> Iterator[str]:
     tokenizer = loaded.tokenizer
     stats = GenerationStats()
-    if drafter.max_block_size is not None:
-        block_size = min(block_size, drafter.max_block_size)
     target = Target(loaded.model, drafter.target_layer_ids)
     tokens: list[int] = []
     sent = 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.api import eos_token_ids, prompt_ids
+from dspark.api import effective_block_size, eos_token_ids, prompt_ids
 from dspark.drafters import load_drafter
 from dspark.eval.datasets import load_prompts
 from dspark.generation import GenerationStats, speculative_decode
@@ -61,8 +61,7 @@ def hf_generate(loaded: LoadedTarget, ids: torch.Tensor, max_new_tokens: int, **
 def ours(loaded: LoadedTarget, drafter, ids: torch.Tensor, max_new_tokens: int, block_size: int):
     stats = GenerationStats()
     target = Target(loaded.model, drafter.target_layer_ids)
-    if drafter.max_block_size is not None:
-        block_size = min(block_size, drafter.max_block_size)
+    block_size = effective_block_size(drafter, block_size)
     chunks = speculative_decode(target, drafter, ids, max_new_tokens=max_new_tokens, sampling=SamplingParams(),
                                 generator=None, block_size=block_size, eos_token_ids=eos_token_ids(loaded),
                                 stats=stats)

@@ -25,7 +25,8 @@ def add_generate_parser(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate text with speculative decoding")
     add_model_args(parser)
     parser.add_argument("prompt", help="the user message (or raw text with --no-chat)")
-    parser.add_argument("--block-size", type=int, default=7, help="most draft tokens verified per round (γ)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="most draft tokens verified per round (γ); default: the drafter's own, can only shrink it")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -72,7 +73,7 @@ def add_bench_parser(subparsers) -> None:
     speed.add_argument("--dataset", required=True, help="JSONL with {'turns': [...]} per line")
     speed.add_argument("--num-prompts", type=_positive_int, default=5)
     speed.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    speed.add_argument("--block-size", type=_positive_int, default=7)
+    speed.add_argument("--block-size", type=_positive_int, default=None)
     speed.add_argument("--prompt-lookup-num-tokens", type=_positive_int, default=10)
     speed.add_argument("--json", action="store_true")
     speed.set_defaults(handler=run_bench_speed)
