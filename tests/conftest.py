@@ -53,6 +53,17 @@ def _sharpen(model) -> None:
         head.weight.mul_(20.0)
 
 
+@pytest.fixture(autouse=True)
+def one_thread_for_tiny_models(request):
+    """Tiny models run faster on one thread (and leave the other core to parallel work); the real
+    default model keeps every thread."""
+    threads = torch.get_num_threads()
+    if request.node.get_closest_marker("real_model") is None:
+        torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "gpt2"])
 def tiny_target(request):
     return tiny_model(request.param)

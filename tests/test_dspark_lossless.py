@@ -1,0 +1,153 @@
+"""A randomly initialised DSpark drafter through the real generation loop on a tiny HF target:
+greedy output equals HF greedy, and sampled output follows the exact target distribution
+(chi-square on the 1st..3rd emitted tokens, alpha = 1e-3 per position)."""
+
+import pytest
+import torch
+from stats_helpers import chi_square_pvalue
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
+from dspark.generation import speculative_decode
+from dspark.sampling import SamplingParams, probabilities
+from dspark.target import Target
+
+VOCAB = 16
+ALPHA = 1e-3
+PROMPT = torch.tensor([3, 7, 1, 12, 5])
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)  # distinct, not-too-flat next-token distributions
+    return model
+
+
+def dspark_drafter(target_model, block_size: int, head: str | None, seed: int = 1) -> DSparkDrafter:
+    torch.manual_seed(seed)
+    config = DSparkConfig.for_target(target_model.config, num_hidden_layers=1, markov_rank=8, block_size=block_size,
+                                     mask_token_id=VOCAB - 1, markov_head_type=head)
+    model = DSparkModel(config)
+    with torch.no_grad():  # random init is near-uniform; give q some shape so rejections really happen
+        for parameter in model.parameters():
+            parameter.mul_(4.0) if parameter.dim() > 1 else None
+    return DSparkDrafter(model, target_model.get_input_embeddings(), target_model.get_output_embeddings())
+
+
+@torch.inference_mode()
+def exact_marginals(model, params: SamplingParams) -> list[torch.Tensor]:
+    """Marginals of the 1st, 2nd and 3rd sampled tokens, by enumerating every 1- and 2-token prefix."""
+    def next_probs(prefixes: torch.Tensor) -> torch.Tensor:
+        ids = torch.cat([PROMPT.expand(prefixes.shape[0], -1), prefixes], 1)
+        return probabilities(model(input_ids=ids).logits[:, -1], params)
+
+    first = next_probs(torch.empty(1, 0, dtype=torch.long))[0]
+    second_given = next_probs(torch.arange(VOCAB)[:, None])  # (a, b)
+    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))
+    third_given = next_probs(pairs).reshape(VOCAB, VOCAB, VOCAB)  # (a, b, c)
+    joint_ab = first[:, None] * second_given
+    return [first, joint_ab.sum(0), (joint_ab[..., None] * third_given).sum((0, 1))]
+
+
+def sample_first_tokens(model, drafter, params, num_samples, block_size, seed=0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    target = Target(model, drafter.target_layer_ids)
+    outputs = torch.empty(num_samples, 3, dtype=torch.long)
+    for i in range(num_samples):
+        tokens: list[int] = []
+        chunks = speculative_decode(target, drafter, PROMPT, max_new_tokens=block_size + 2, sampling=params,
+                                    generator=generator, block_size=block_size)
+        for chunk in chunks:  # the first round verifies a full block; stop once 3 tokens are out
+            tokens.extend(chunk)
+            if len(tokens) >= 3:
+                break
+        chunks.close()
+        outputs[i] = torch.tensor(tokens[:3])
+    return outputs
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 7, 16])
+def test_greedy_equals_hf(small_target, block_size):
+    drafter = dspark_drafter(small_target, block_size, "vanilla")
+    with torch.inference_mode():
+        reference = small_target.generate(PROMPT[None], attention_mask=torch.ones_like(PROMPT[None]),
+                                          max_new_tokens=30, do_sample=False)[0, PROMPT.shape[0]:].tolist()
+    chunks = speculative_decode(Target(small_target, drafter.target_layer_ids), drafter, PROMPT, max_new_tokens=30,
+                                sampling=SamplingParams(), generator=None, block_size=block_size)
+    assert [t for c in chunks for t in c] == reference
+
+
+@pytest.mark.parametrize("block_size, head, params, num_samples", [
+    (1, "vanilla", SamplingParams(temperature=1.0), 4000),
+    (4, "rnn", SamplingParams(temperature=1.0), 4000),
+    (7, "vanilla", SamplingParams(temperature=0.7, top_p=0.9), 4000),
+    (16, None, SamplingParams(temperature=0.7, top_p=0.9), 4000),
+    (7, "vanilla", SamplingParams(temperature=1.0), 12000),
+], ids=["g1-markov-T1", "g4-rnn-T1", "g7-markov-T0.7p0.9", "g16-dflash-T0.7p0.9", "g7-markov-T1-12k"])
+def test_sampled_output_follows_target(small_target, block_size, head, params, num_samples):
+    drafter = dspark_drafter(small_target, block_size, head)
+    outputs = sample_first_tokens(small_target, drafter, params, num_samples, block_size)
+    marginals = exact_marginals(small_target, params)
+    pvalues = [chi_square_pvalue(outputs[:, j], marginals[j]) for j in range(3)]
+    assert min(pvalues) > ALPHA, pvalues
+
+
+def test_negative_control_wrong_q_fails(small_target, monkeypatch):
+    """Field bug: the q handed to the verifier is not the distribution the draft was sampled from
+    (here a flattened copy, as when q is recomputed with other temperature/top-p settings). The same
+    chi-square test must catch the skew."""
+    drafter = dspark_drafter(small_target, 4, "vanilla")
+    original = drafter.propose
+
+    def flattened_q(state, context, num_tokens, sampling, generator):
+        draft = original(state, context, num_tokens, sampling, generator)
+        flat = draft.q.pow(0.3)
+        draft.q = flat / flat.sum(-1, keepdim=True)
+        return draft
+
+    monkeypatch.setattr(drafter, "propose", flattened_q)
+    params = SamplingParams(temperature=1.0)
+    outputs = sample_first_tokens(small_target, drafter, params, 4000, 4)
+    marginals = exact_marginals(small_target, params)
+    pvalues = [chi_square_pvalue(outputs[:, j], marginals[j]) for j in range(3)]
+    assert pvalues[0] > ALPHA and min(pvalues[1:]) < ALPHA, pvalues
+
+
+def test_dropped_q_stays_lossless_but_accepts_less(small_target, monkeypatch):
+    """Verifying a sampled draft as if it were deterministic (one-hot q) is still exact — the draft is
+    independent of the target's coins — but acceptance collapses; stats must show it."""
+    from dspark.generation import GenerationStats
+
+    drafter = dspark_drafter(small_target, 4, "vanilla")
+    params = SamplingParams(temperature=1.0)
+
+    def tau_over(runs: int) -> float:
+        generator = torch.Generator().manual_seed(0)
+        stats = GenerationStats()
+        accepted = rounds = 0
+        for _ in range(runs):
+            for _ in speculative_decode(Target(small_target, drafter.target_layer_ids), drafter, PROMPT,
+                                        max_new_tokens=20, sampling=params, generator=generator, block_size=4,
+                                        stats=stats):
+                pass
+            accepted += sum(stats.accepted_per_round)
+            rounds += stats.num_rounds
+            stats = GenerationStats()
+        return (accepted + rounds) / rounds
+
+    with_q = tau_over(150)
+    original = drafter.propose
+
+    def drop_q(state, context, num_tokens, sampling, generator):
+        draft = original(state, context, num_tokens, sampling, generator)
+        draft.q = None
+        return draft
+
+    monkeypatch.setattr(drafter, "propose", drop_q)
+    assert tau_over(150) < with_q - 0.05
