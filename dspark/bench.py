@@ -135,3 +135,59 @@ def _print_table(report: dict) -> None:
         tau = "-" if row["tau"] is None else f"{row['tau']:.2f}"
         print(f"{name:<24}{row['tokens_per_s']:>10.2f}{row['speedup_vs_hf']:>10.3f}{tau:>8}  {row['identical_to_hf']}",
               file=sys.stderr)
+
+
+def run_draft_bench(args: argparse.Namespace) -> dict:
+    """Draft time per round (γ tokens) for each head type and depth, as a ratio to one target
+    verification forward of γ+1 tokens, all timed interleaved in one run on the same context."""
+    from dspark.drafters import default_draft_dtype
+    from dspark.drafters.checkpoint import embeddings_in_dtype
+    from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
+
+    loaded = load_target(args.target)
+    gamma = args.block_size or 7
+    prompt = load_prompts(args.dataset, 1)[0] if args.dataset else "Write a Python function that reverses a string."
+    ids = prompt_ids(loaded, prompt)
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else default_draft_dtype(loaded.model)
+    embed, lm_head = embeddings_in_dtype(loaded.model.get_input_embeddings(), loaded.model.get_output_embeddings(), dtype)
+    configs = {}
+    for head in ("none", "vanilla", "rnn"):
+        for depth in range(1, args.max_layers + 1):
+            torch.manual_seed(0)
+            config = DSparkConfig.for_target(loaded.model.config, num_hidden_layers=depth, block_size=gamma,
+                                             markov_rank=args.markov_rank, markov_head_type=head)
+            configs[f"{head}-{depth}L"] = DSparkDrafter(DSparkModel(config).to(dtype), embed, lm_head)
+    layer_ids = next(iter(configs.values())).target_layer_ids
+    target = Target(loaded.model, layer_ids)
+    prefill = target.prefill(ids[:-1])
+    states = {name: drafter.start(ids[:-1], prefill.hidden) for name, drafter in configs.items()}
+    block = torch.cat([ids[-1:], torch.randint(0, 1000, (gamma,))])
+    sampling = SamplingParams()
+    times: dict[str, list[float]] = {name: [] for name in [*configs, "verify"]}
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        target.extend(block)
+        times["verify"].append(time.perf_counter() - start)
+        target.rollback(ids.shape[0] - 1)
+        for name, drafter in configs.items():
+            start = time.perf_counter()
+            drafter.propose(states[name], ids, gamma, sampling, None)
+            times[name].append(time.perf_counter() - start)
+    median = {name: sorted(values)[len(values) // 2] for name, values in times.items()}
+    verify_s = median["verify"]
+    rows = {name: {"draft_ms": round(1000 * median[name], 3), "ratio_to_verify": round(median[name] / verify_s, 4)}
+            for name in configs}
+    for depth in range(1, args.max_layers + 1):
+        base = median[f"none-{depth}L"]
+        for head in ("vanilla", "rnn"):
+            rows[f"{head}-{depth}L"]["head_overhead"] = round(median[f"{head}-{depth}L"] / base - 1, 4)
+    report = {"benchmark": "draft", "target": loaded.name, "block_size": gamma, "draft_dtype": str(dtype),
+              "markov_rank": args.markov_rank, "context_tokens": int(ids.shape[0]),
+              "verify_ms": round(1000 * verify_s, 3), "repeats": args.repeats, "drafters": rows}
+    print(f"{'drafter':<14}{'draft ms':>10}{'/verify':>10}{'head +%':>10}", file=sys.stderr)
+    for name, row in rows.items():
+        overhead = row.get("head_overhead")
+        extra = "" if overhead is None else f"{100 * overhead:>9.1f}%"
+        print(f"{name:<14}{row['draft_ms']:>10.2f}{row['ratio_to_verify']:>10.3f}{extra}", file=sys.stderr)
+    print(json.dumps(report))
+    return report

@@ -77,6 +77,16 @@ def add_bench_parser(subparsers) -> None:
     speed.add_argument("--prompt-lookup-num-tokens", type=_positive_int, default=10)
     speed.add_argument("--json", action="store_true")
     speed.set_defaults(handler=run_bench_speed)
+    draft = bench.add_parser("draft", help="DSpark draft time per round vs one target verification forward")
+    draft.add_argument("--target", default="default")
+    draft.add_argument("--dataset", default=None, help="take the context from the first prompt of this JSONL")
+    draft.add_argument("--block-size", type=_positive_int, default=7)
+    draft.add_argument("--max-layers", type=_positive_int, default=5)
+    draft.add_argument("--markov-rank", type=_positive_int, default=256)
+    draft.add_argument("--repeats", type=_positive_int, default=30)
+    draft.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                       help="drafter dtype (auto: bf16 on CPUs with native bf16, else the target's)")
+    draft.set_defaults(handler=run_bench_draft)
 
 
 def run_bench_speed(args: argparse.Namespace) -> None:
@@ -85,7 +95,25 @@ def run_bench_speed(args: argparse.Namespace) -> None:
     run_speed_bench(args)
 
 
-COMMANDS: list[Callable] = [add_generate_parser, add_bench_parser]
+def run_bench_draft(args: argparse.Namespace) -> None:
+    from dspark.bench import run_draft_bench
+
+    run_draft_bench(args)
+
+
+def add_data_parser(subparsers) -> None:
+    from dspark.train.cli_data import add_data_parser as add
+
+    add(subparsers)
+
+
+def add_train_parser(subparsers) -> None:
+    from dspark.train.cli_train import add_train_parser as add
+
+    add(subparsers)
+
+
+COMMANDS: list[Callable] = [add_generate_parser, add_bench_parser, add_data_parser, add_train_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -154,7 +154,7 @@ def test_greedy_propose_is_argmax_chain(target, head_type):
     with torch.no_grad():
         logits = model.forward_train(feats, ids, torch.tensor([[11]]), prev_tokens=prev).logits[0, 0]
     assert torch.equal(draft.tokens, logits.argmax(-1))
-    assert torch.equal(draft.q, torch.nn.functional.one_hot(draft.tokens, VOCAB).float())
+    assert draft.q is None  # greedy drafts are deterministic: the verifier compares tokens only
     assert draft.confidence.shape == (5,) and ((draft.confidence > 0) & (draft.confidence < 1)).all()
     # a shorter proposal is a prefix: the backbone always runs the whole block, as in training
     short = drafter.propose(state, ids[0], 2, SamplingParams(), None)

@@ -527,13 +527,16 @@ class DSparkDrafter(Drafter):
             if head is not None:
                 bias, head_state = head.step(head_state, prev, hidden[k])
                 logits = logits + bias
-            probs = probabilities(logits, sampling)
-            prev = probs.argmax(-1) if sampling.greedy else sample(probs, generator)
+            if sampling.greedy:  # greedy verification only compares tokens: no need to build one-hot q
+                prev = logits.argmax(-1)
+            else:
+                probs = probabilities(logits, sampling)
+                prev = sample(probs, generator)
+                q.append(probs)
             tokens.append(prev)
-            q.append(probs)
         tokens = torch.stack(tokens)
 
         prev_tokens = torch.cat([anchor[None], tokens[:-1]])
         confidence_logits = model.confidence_logits(hidden[:num_tokens], prev_tokens)
         confidence = None if confidence_logits is None else model.confidence(confidence_logits)
-        return Draft(tokens, torch.stack(q), confidence)
+        return Draft(tokens, torch.stack(q) if q else None, confidence)

@@ -1,0 +1,1 @@
+"""Drafter training: losses, anchors, online target features, config and the training loop."""

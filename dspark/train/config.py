@@ -1,0 +1,154 @@
+"""`TrainConfig`: every knob of `dspark train`, read from YAML plus `key=value` overrides."""
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from dspark.errors import DsparkError
+
+DRAFTER_TYPES = ("dspark", "dflash", "eagle3", "mtp")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class TrainConfig:
+    # -- drafter -------------------------------------------------------------------------------
+    drafter_type: str = "dspark"  # dspark | dflash | eagle3 | mtp
+    markov_head_type: str = "vanilla"  # vanilla | gated | rnn (dspark only)
+    markov_rank: int = 256
+    num_draft_layers: int = 1  # DSpark/DFlash layers, MTP modules (EAGLE-3: always 1)
+    block_size: int = 7  # γ: block size / TTT steps / MTP depths
+    target_layer_ids: list[int] | None = None  # None: the drafter type's default
+    mask_token_id: int | None = None  # None: the last vocabulary id (DSpark/DFlash)
+    # -- target and data -----------------------------------------------------------------------
+    target: str = "default"
+    data: str = ""  # JSONL of {"messages": [user, assistant]} or {"prompt_ids", "answer_ids"}
+    heldout_fraction: float = 0.02
+    max_eval_sequences: int = 64
+    seq_len: int = 512
+    # -- optimisation --------------------------------------------------------------------------
+    batch_size: int = 4  # global, in sequences; split across ranks
+    anchors_per_seq: int = 64
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio at max_steps
+    weight_decay: float = 0.01
+    warmup_steps: int = 20
+    max_steps: int = 1000
+    grad_clip: float = 1.0
+    # loss weights; None = the drafter type's default (dspark 0.1/0.9/1.0, others CE only)
+    ce_weight: float | None = None
+    tv_weight: float | None = None
+    conf_weight: float | None = None
+    decay_lambda: float = 4.0  # λ of the position weights w_k = exp(-(k-1)/λ)
+    # -- run -----------------------------------------------------------------------------------
+    seed: int = 0
+    output_dir: str = "runs/dspark"
+    save_every: int = 100
+    eval_every: int = 100
+    log_every: int = 1
+    keep_checkpoints: int = 2  # 0 keeps all
+    threads: int = 0  # torch intra-op threads per process; 0 = torch's default
+    device: str = "auto"  # auto | cpu | cuda
+    target_dtype: str = "float32"
+    save_dtype: str = "float32"  # dtype of the final drafter weights (checkpoints stay float32)
+    tensorboard: bool = True  # also log to TensorBoard when it is installed
+    progress: bool = True  # tqdm bar on rank 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.drafter_type not in DRAFTER_TYPES:
+            raise DsparkError(f"drafter_type must be one of {', '.join(DRAFTER_TYPES)}, got {self.drafter_type!r}")
+        positive = ("block_size", "num_draft_layers", "seq_len", "batch_size", "anchors_per_seq", "max_steps",
+                    "save_every", "eval_every", "log_every")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise DsparkError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise DsparkError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+        if self.lr <= 0 or self.warmup_steps < 0 or self.grad_clip < 0 or self.markov_rank < 0:
+            raise DsparkError("lr must be > 0 and warmup_steps, grad_clip, markov_rank >= 0")
+        for name in ("target_dtype", "save_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise DsparkError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise DsparkError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str = "config") -> "TrainConfig":
+        hints = typing.get_type_hints(cls)
+        unknown = sorted(set(values) - set(hints))
+        if unknown:
+            raise DsparkError(
+                f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(hints))}"
+            )
+        return cls(**{key: convert(value, hints[key], f"{where}: {key}") for key, value in values.items()})
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                **fields: object) -> TrainConfig:
+    """YAML file (optional), then `fields`, then `key=value` strings, later ones winning."""
+    values: dict = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError as error:
+            raise DsparkError(f"config file not found: {path}") from error
+        except yaml.YAMLError as error:
+            raise DsparkError(f"config file {path} is not valid YAML: {error}") from error
+        if loaded is not None and not isinstance(loaded, dict):
+            raise DsparkError(f"config file {path} must hold a mapping of key: value")
+        values.update(loaded or {})
+    values.update({key: value for key, value in fields.items() if value is not None})
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise DsparkError(f"override {item!r} is not key=value")
+        values[key.strip()] = value.strip()
+    return TrainConfig.from_dict(values, str(path) if path else "config")
+
+
+def convert(value: object, hint: object, where: str) -> object:
+    """Coerce a YAML value or an override string to the field's type hint."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~", "")):
+            return None
+        hint = next(arg for arg in args if arg is not type(None))
+        args = typing.get_args(hint)
+    try:
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"not a boolean: {value!r}")
+        if hint is int:
+            if isinstance(value, float) and not value.is_integer() or isinstance(value, bool):
+                raise ValueError(f"not an integer: {value!r}")
+            return int(value)
+        if hint is float:
+            return float(value)
+        if hint is str:
+            return str(value)
+        origin = typing.get_origin(hint)
+        if origin is list:
+            if isinstance(value, str):
+                value = yaml.safe_load(value if value.startswith("[") else f"[{value}]")
+            if not isinstance(value, list | tuple):
+                raise ValueError(f"not a list: {value!r}")
+            return [convert(item, args[0], where) for item in value]
+    except (TypeError, ValueError, yaml.YAMLError) as error:
+        raise DsparkError(f"{where}: {error}") from error
+    raise DsparkError(f"{where}: unsupported type {hint}")

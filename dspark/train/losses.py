@@ -1,0 +1,114 @@
+"""DSpark training objective (paper section 3.3, Eqs. 8-12).
+
+For every draft position k of a block: q_k = softmax(draft logits), p_k = softmax(target logits), both at
+temperature 1, and x*_k the ground-truth next token. Each term is position-weighted by
+w_k = exp(-(k-1)/λ) and averaged over the valid positions (Σ w·ℓ / Σ w):
+
+    L = α_ce · CE(q_k, x*_k) + α_tv · ‖q_k − p_k‖₁ + α_conf · BCE(c_k, c*_k)
+
+The distribution-matching term is the full L1 distance ‖q − p‖₁ (Eq. 10, = 2·TV), while the
+confidence label is the acceptance probability of rejection sampling, c*_k = 1 − ½‖q_k − p_k‖₁
+(Eq. 8), detached. DFlash is α = (1, 0, 0).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    ce: float = 0.1
+    tv: float = 0.9
+    conf: float = 1.0
+
+
+DSPARK_WEIGHTS = LossWeights(0.1, 0.9, 1.0)
+DFLASH_WEIGHTS = LossWeights(1.0, 0.0, 0.0)
+
+
+@dataclass
+class LossOutput:
+    """Every field is a scalar; `total` is the one to backpropagate."""
+
+    total: torch.Tensor
+    ce: torch.Tensor
+    tv: torch.Tensor  # weighted mean of ‖q − p‖₁ (the loss term, not halved)
+    conf: torch.Tensor
+    accept: torch.Tensor  # weighted mean of c* = 1 − ½‖q − p‖₁ (no grad)
+    weight_sum: torch.Tensor  # Σ w over valid positions (the local normaliser)
+    soft_label: torch.Tensor  # (..., γ) c* per position, detached
+
+
+def position_weights(block_size: int, decay: float = 4.0, device: torch.device | str | None = None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/λ) for k = 1..γ; λ <= 0 means uniform weights."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    if decay <= 0:
+        return torch.ones_like(k)
+    return torch.exp(-k / decay)
+
+
+def l1_distance(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """‖q − p‖₁ over the last dim."""
+    return (q - p).abs().sum(-1)
+
+
+def acceptance_probability(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """c* = 1 − ½‖q − p‖₁ = Σ_x min(p, q): the chance rejection sampling accepts x ~ q."""
+    return (1.0 - 0.5 * l1_distance(q, p)).clamp(0.0, 1.0)
+
+
+def block_loss(
+    logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    confidence_logits: torch.Tensor | None = None,
+    weights: LossWeights = DSPARK_WEIGHTS,
+    decay: float = 4.0,
+    normalizer: torch.Tensor | float | None = None,
+) -> LossOutput:
+    """Loss over blocks. logits / target_logits (..., γ, V), labels / valid (..., γ), confidence_logits
+    (..., γ) or None. `normalizer` replaces the local Σw (data parallel: the global Σw / world size)."""
+    w = position_weights(logits.shape[-2], decay, logits.device) * valid.float()
+    weight_sum = w.sum()
+    norm = weight_sum.clamp_min(1e-6) if normalizer is None else normalizer
+
+    log_q = F.log_softmax(logits.float(), -1)
+    ce = -log_q.gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1)
+    ce_term = (ce * w).sum() / norm
+
+    q = log_q.exp()
+    p = F.softmax(target_logits.float(), -1)
+    l1 = l1_distance(q, p)
+    tv_term = (l1 * w).sum() / norm
+    soft_label = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
+
+    conf_term = ce_term.new_zeros(())
+    if confidence_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), soft_label, reduction="none")
+        conf_term = (bce * w).sum() / norm
+
+    total = weights.ce * ce_term + weights.tv * tv_term + weights.conf * conf_term
+    accept = (soft_label * w).sum() / norm
+    return LossOutput(total, ce_term.detach(), tv_term.detach(), conf_term.detach(), accept.detach(),
+                      weight_sum.detach(), soft_label)
+
+
+def block_tau(tv: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Expected acceptance length of each block, 1 + Σ_k Π_{i≤k} (1 − TV_i), for TV (..., γ) =
+    ½‖q − p‖₁; invalid positions (past the answer end) are never accepted."""
+    accept = (1.0 - tv).clamp(0.0, 1.0)
+    if valid is not None:
+        accept = accept * valid.float()
+    return 1.0 + accept.cumprod(-1).sum(-1)
+
+
+def expected_tau(tv: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of `block_tau` over the blocks with at least one valid position."""
+    taus = block_tau(tv, valid)
+    if valid is None:
+        return taus.mean()
+    keep = valid.any(-1)
+    return taus[keep].mean() if keep.any() else taus.new_tensor(1.0)
