@@ -229,6 +229,14 @@ def test_regenerate_resumes_after_kill_without_loss_or_duplicates(tmp_path, batc
     assert stats.generated == len(prompts) and sorted(s["id"] for s in reference) == sorted(p.id for p in prompts)
     assert all(s["messages"][:-1] == next(p.messages for p in prompts if p.id == s["id"]) for s in reference)
     assert all(s["messages"][-1]["role"] == "assistant" and s["num_tokens"] <= 6 for s in reference)
+    for sample in reference:
+        assert tokenizer.decode(sample["answer_ids"], skip_special_tokens=True) == sample["messages"][-1]["content"]
+        body = sample["answer_ids"][:-1] if sample["finished"] else sample["answer_ids"]
+        assert 2 not in body and (not sample["finished"] or sample["answer_ids"][-1] == 2)
+        assert len(sample["answer_ids"]) == sample["num_tokens"] + sample["finished"]
+        prompt = next(p for p in prompts if p.id == sample["id"])
+        assert sample["prompt_ids"] == tokenizer(tokenizer.apply_chat_template(
+            prompt.messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
     if eos_logit is not None:
         assert {s["finished"] for s in reference} == {True, False}
         assert all(s["finished"] == (s["num_tokens"] < 6) for s in reference)

@@ -123,7 +123,7 @@ def generate_batch(
     sampling: SamplingConfig,
     seed: int,
 ) -> list[tuple[list[int], bool]]:
-    """(answer token ids up to EOS, whether EOS was reached) for each prompt row."""
+    """(answer token ids, ending with the EOS token when one was emitted; whether it was) per prompt row."""
     stop = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
     ids, mask = left_pad(rows, pad_id)
@@ -139,7 +139,7 @@ def generate_batch(
     answers = []
     for row in output[:, ids.shape[1] :].tolist():
         end = next((i for i, token in enumerate(row) if token in stop), None)
-        answers.append((row if end is None else row[:end], end is not None))
+        answers.append((row if end is None else row[: end + 1], end is not None))
     return answers
 
 
@@ -160,7 +160,8 @@ def regenerate(
     window: int | None = None,
 ) -> RegenerateStats:
     """Answer every prompt not yet in `out_path` (at most `limit` of them this run), appending one
-    `{"id", "source", "messages": [..., assistant], "num_tokens", "finished"}` line per sample."""
+    `{"id", "source", "messages": [..., assistant], "num_tokens", "finished", "prompt_ids", "answer_ids"}`
+    line per sample (`finished`: the answer ended with EOS rather than at `max_new_tokens`)."""
     sampling = sampling or recommended_sampling(model)
     if tokenizer.chat_template is None:
         raise DataError("the target's tokenizer has no chat template")
@@ -180,8 +181,8 @@ def regenerate(
             ids = [todo[i].id for i in batch]
             answers = generate_batch(model, tokenizer, [rows[i] for i in batch], sampling, batch_seed(seed, ids))
             for i, (tokens, finished) in zip(batch, answers, strict=True):
-                out.write(json.dumps(_sample(todo[i], tokenizer.decode(tokens, skip_special_tokens=True),
-                                             len(tokens), finished), ensure_ascii=False) + "\n")
+                sample = _sample(todo[i], tokenizer, rows[i], tokens, finished)
+                out.write(json.dumps(sample, ensure_ascii=False) + "\n")
                 stats.new_tokens += len(tokens)
             out.flush()
             os.fsync(out.fileno())
@@ -192,7 +193,13 @@ def regenerate(
     return stats
 
 
-def _sample(prompt: Prompt, answer: str, num_tokens: int, finished: bool) -> dict[str, Any]:
-    messages = prompt.messages + [{"role": "assistant", "content": answer}]
-    return {"id": prompt.id, "source": prompt.source, "messages": messages, "num_tokens": num_tokens,
-            "finished": finished}
+def _sample(prompt: Prompt, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], answer_ids: list[int],
+            finished: bool) -> dict[str, Any]:
+    """One output line. `prompt_ids`/`answer_ids` are the exact tokens the target saw and sampled
+    (`answer_ids` ends with the EOS token when `finished`): decoding and re-encoding the text does not
+    always give them back, and training should see the target's own tokens."""
+    text = tokenizer.decode(answer_ids, skip_special_tokens=True)
+    messages = prompt.messages + [{"role": "assistant", "content": text}]
+    return {"id": prompt.id, "source": prompt.source, "messages": messages,
+            "num_tokens": len(answer_ids) - finished, "finished": finished,
+            "prompt_ids": prompt_ids, "answer_ids": answer_ids}

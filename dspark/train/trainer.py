@@ -73,7 +73,18 @@ def _dspark_build(config: TrainConfig, target: nn.Module, dflash: bool = False) 
         drafter_config = DSparkConfig.for_target(target.config, **overrides)
     except ValueError as error:
         raise DsparkError(f"invalid drafter config: {error}") from error
-    return DSparkModel(drafter_config, target.get_input_embeddings(), target.get_output_embeddings())
+    drafter = DSparkModel(drafter_config, target.get_input_embeddings(), target.get_output_embeddings())
+    warm_start(drafter, target)
+    return drafter
+
+
+def warm_start(drafter: nn.Module, target: nn.Module) -> None:
+    """The Markov bias W2 starts at zero, so step 0 is DFlash and the sequential head only learns
+    what the parallel backbone misses (the rank-r bias is noise otherwise)."""
+    head = getattr(drafter, "markov_head", None)
+    if head is not None:
+        with torch.no_grad():
+            head.markov_w2.weight.zero_()
 
 
 def _dspark_blocks(drafter, features, input_ids, anchors):

@@ -1,0 +1,202 @@
+"""Real speculative rollouts, recorded round by round, for evaluation and calibration.
+
+Nothing here re-implements decoding: prompts go through `speculative_decode` exactly as in
+generation, with the drafter wrapped so that each round's `Draft` (tokens and per-position
+confidences) is captured. The verdict of a round is read from `GenerationStats`, whose
+`accepted_per_round` gets one entry per round in order, so round i's draft is paired with entry i.
+
+For DSpark drafters the *raw* confidence logits (before any calibration temperature) are captured as
+well: Sequential Temperature Scaling fits temperatures to them, and recomputing them from c_k would
+lose precision where the sigmoid saturates.
+"""
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dspark.api import eos_token_ids, prompt_ids
+from dspark.drafters.base import Draft, Drafter
+from dspark.generation import GenerationStats, speculative_decode
+from dspark.loading import LoadedTarget
+from dspark.sampling import SamplingParams, make_generator
+from dspark.target import Target
+
+
+@dataclass
+class RoundRecord:
+    """One verified round. `confidence` (c_k) and `raw_logits` (uncalibrated confidence logits z_k)
+    cover the verified drafts 1..drafted, or are None when the drafter has no confidence head."""
+
+    drafted: int
+    accepted: int
+    confidence: list[float] | None = None
+    raw_logits: list[float] | None = None
+    dataset: str = ""
+
+    @property
+    def conditional_outcomes(self) -> list[int]:
+        """Outcome of each position k that was reached (1..k-1 accepted): 1 if draft k survived too."""
+        reached = min(self.drafted, self.accepted + 1)
+        return [int(k < self.accepted) for k in range(reached)]
+
+    @property
+    def cumulative_outcomes(self) -> list[int]:
+        """For every verified position k: 1 if drafts 1..k all survived (what a_k predicts)."""
+        return [int(k < self.accepted) for k in range(self.drafted)]
+
+    @property
+    def survival(self) -> list[float] | None:
+        """a_k = Π_{i≤k} c_i for k = 1..drafted."""
+        if self.confidence is None:
+            return None
+        return torch.tensor(self.confidence, dtype=torch.float64).cumprod(0).tolist()
+
+
+@dataclass
+class PromptRollout:
+    """One prompt's rollout: its rounds, the generation stats (times) and the generated tokens."""
+
+    dataset: str
+    rounds: list[RoundRecord]
+    stats: GenerationStats
+    tokens: list[int] = field(default_factory=list)
+
+
+class DrafterWrapper(Drafter):
+    """A drafter that forwards everything to `inner`; subclasses change `propose`."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.target_layer_ids = inner.target_layer_ids
+        self.vocab_size = inner.vocab_size
+        self.max_block_size = inner.max_block_size
+
+    def start(self, prompt_ids: torch.Tensor, prompt_hidden: torch.Tensor | None) -> Any:
+        return self.inner.start(prompt_ids, prompt_hidden)
+
+    def propose(self, state, context, num_tokens, sampling, generator) -> Draft:
+        return self.inner.propose(state, context, num_tokens, sampling, generator)
+
+    def commit(self, state: Any, committed_hidden: torch.Tensor | None) -> None:
+        self.inner.commit(state, committed_hidden)
+
+
+def _dspark_model(drafter: Drafter):
+    """The DSparkModel under a (possibly wrapped) drafter, or None for other drafter families."""
+    while isinstance(drafter, DrafterWrapper):
+        drafter = drafter.inner
+    model = getattr(drafter, "model", None)
+    return model if hasattr(model, "confidence_logits") and hasattr(model, "confidence") else None
+
+
+class RecordingDrafter(DrafterWrapper):
+    """Keeps each round's draft, keyed by round index (= rounds already recorded in `stats`): a round
+    whose budget was 0 never calls `propose`, so counting calls would misalign."""
+
+    def __init__(self, inner: Drafter, stats: GenerationStats) -> None:
+        super().__init__(inner)
+        self.stats = stats
+        self.drafts: dict[int, tuple[Draft, torch.Tensor | None]] = {}
+        self._raw_logits: torch.Tensor | None = None
+
+    def propose(self, state, context, num_tokens, sampling, generator) -> Draft:
+        self._raw_logits = None
+        draft = self.inner.propose(state, context, num_tokens, sampling, generator)
+        self.drafts[len(self.stats.accepted_per_round)] = (draft, self._raw_logits)
+        return draft
+
+    @contextlib.contextmanager
+    def capturing_raw_logits(self) -> Iterator[None]:
+        """While active, the DSpark model's calibration step also hands us its input (raw logits)."""
+        model = _dspark_model(self.inner)
+        if model is None:
+            yield
+            return
+        calibrate = model.confidence
+
+        def capture(confidence_logits: torch.Tensor) -> torch.Tensor:
+            self._raw_logits = confidence_logits.detach().float().cpu()
+            return calibrate(confidence_logits)
+
+        model.confidence = capture  # an instance attribute shadowing the method, removed below
+        try:
+            yield
+        finally:
+            del model.confidence
+
+    def records(self, dataset: str = "") -> list[RoundRecord]:
+        stats = self.stats
+        rounds = []
+        for index, (drafted, accepted) in enumerate(zip(stats.drafted_per_round, stats.accepted_per_round,
+                                                        strict=True)):
+            draft, raw = self.drafts.get(index, (None, None))
+            confidence = None
+            if draft is not None and draft.confidence is not None:
+                confidence = draft.confidence[:drafted].float().cpu().tolist()
+            raw_logits = None if raw is None else raw[:drafted].tolist()
+            rounds.append(RoundRecord(drafted, accepted, confidence, raw_logits, dataset))
+        return rounds
+
+
+def rollout_prompt(
+    loaded: LoadedTarget,
+    drafter: Drafter,
+    ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    block_size: int,
+    seed: int | None = 0,
+    dataset: str = "",
+) -> PromptRollout:
+    """Generate for one tokenised prompt and record every round."""
+    stats = GenerationStats()
+    recorder = RecordingDrafter(drafter, stats)
+    target = Target(loaded.model, drafter.target_layer_ids)
+    tokens: list[int] = []
+    with recorder.capturing_raw_logits():
+        for chunk in speculative_decode(
+            target, recorder, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+            generator=make_generator(seed), block_size=block_size, eos_token_ids=eos_token_ids(loaded),
+            stats=stats,
+        ):
+            tokens.extend(chunk)
+    return PromptRollout(dataset, recorder.records(dataset), stats, tokens)
+
+
+def run_rollouts(
+    loaded: LoadedTarget,
+    drafter: Drafter,
+    prompts: Sequence[tuple[str, str]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    block_size: int,
+    seed: int = 0,
+) -> list[PromptRollout]:
+    """Roll out (dataset name, prompt text) pairs through the target's chat template; prompt i uses
+    seed + i, so runs are reproducible and prompts do not share random streams."""
+    return [
+        rollout_prompt(loaded, drafter, prompt_ids(loaded, prompt), max_new_tokens=max_new_tokens,
+                       sampling=sampling, block_size=block_size, seed=seed + index, dataset=dataset)
+        for index, (dataset, prompt) in enumerate(prompts)
+    ]
+
+
+def record_rounds(
+    loaded: LoadedTarget,
+    drafter: Drafter,
+    prompts: Sequence[tuple[str, str]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    block_size: int,
+    seed: int = 0,
+) -> list[RoundRecord]:
+    """Every round of every prompt's rollout, in order."""
+    rollouts = run_rollouts(loaded, drafter, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                            block_size=block_size, seed=seed)
+    return [record for rollout in rollouts for record in rollout.rounds]
