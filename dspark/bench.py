@@ -149,7 +149,8 @@ def run_draft_bench(args: argparse.Namespace) -> dict:
     prompt = load_prompts(args.dataset, 1)[0] if args.dataset else "Write a Python function that reverses a string."
     ids = prompt_ids(loaded, prompt)
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else default_draft_dtype(loaded.model)
-    embed, lm_head = embeddings_in_dtype(loaded.model.get_input_embeddings(), loaded.model.get_output_embeddings(), dtype)
+    embed, lm_head = embeddings_in_dtype(loaded.model.get_input_embeddings(),
+                                         loaded.model.get_output_embeddings(), dtype)
     configs = {}
     for head in ("none", "vanilla", "rnn"):
         for depth in range(1, args.max_layers + 1):

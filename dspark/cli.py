@@ -113,7 +113,20 @@ def add_train_parser(subparsers) -> None:
     add(subparsers)
 
 
-COMMANDS: list[Callable] = [add_generate_parser, add_bench_parser, add_data_parser, add_train_parser]
+def add_calibrate_parser(subparsers) -> None:
+    from dspark.train.calibrate import add_calibrate_parser as add
+
+    add(subparsers)
+
+
+def add_eval_parser(subparsers) -> None:
+    from dspark.eval.evaluate import add_eval_parser as add
+
+    add(subparsers)
+
+
+COMMANDS: list[Callable] = [add_generate_parser, add_bench_parser, add_data_parser, add_train_parser,
+                            add_calibrate_parser, add_eval_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
