@@ -133,10 +133,12 @@ class RecordingDrafter(DrafterWrapper):
         for index, (drafted, accepted) in enumerate(zip(stats.drafted_per_round, stats.accepted_per_round,
                                                         strict=True)):
             draft, raw = self.drafts.get(index, (None, None))
-            confidence = None
+            confidence = [] if drafted == 0 else None  # nothing verified: nothing to predict
+            raw_logits = [] if drafted == 0 else None
             if draft is not None and draft.confidence is not None:
                 confidence = draft.confidence[:drafted].float().cpu().tolist()
-            raw_logits = None if raw is None else raw[:drafted].tolist()
+            if raw is not None:
+                raw_logits = raw[:drafted].tolist()
             rounds.append(RoundRecord(drafted, accepted, confidence, raw_logits, dataset))
         return rounds
 

@@ -1,0 +1,305 @@
+"""Evaluation metrics, rollout recording, static threshold, Sequential Temperature Scaling and the
+`dspark eval` / `dspark calibrate` commands, on hand-made rounds and tiny random models."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from dspark.cli import main
+from dspark.drafters.base import Draft
+from dspark.drafters.checkpoint import load_dspark, read_config, save_pretrained
+from dspark.drafters.dspark import DSparkConfig, DSparkModel
+from dspark.errors import DrafterLoadError, DsparkError
+from dspark.eval.evaluate import cut_at_threshold, domain_of
+from dspark.eval.metrics import (
+    acceptance_rate,
+    accepted_length_histogram,
+    conditional_acceptance,
+    expected_calibration_error,
+    roc_auc,
+    tau,
+)
+from dspark.eval.rollout import RoundRecord, rollout_prompt
+from dspark.generation import GenerationStats
+from dspark.loading import load_target
+from dspark.sampling import SamplingParams
+from dspark.train.calibrate import (
+    calibration_arrays,
+    fit_sequential_temperatures,
+    position_reports,
+    sigmoid,
+    store_temperatures,
+)
+
+# ------------------------------------------------------------------------------------ metrics
+
+# (drafted, accepted) per round, hand-checked below
+ROUNDS = [(4, 4), (4, 0), (4, 2), (2, 1), (0, 0)]
+DRAFTED = [d for d, _ in ROUNDS]
+ACCEPTED = [a for _, a in ROUNDS]
+
+
+def test_tau_histogram_and_acceptance_rate():
+    assert tau(ACCEPTED) == pytest.approx(1 + 7 / 5)
+    assert tau([]) == 0.0
+    assert accepted_length_histogram(ACCEPTED, 4) == [2, 1, 1, 0, 1]
+    assert accepted_length_histogram(ACCEPTED) == [2, 1, 1, 0, 1]
+    assert acceptance_rate(DRAFTED, ACCEPTED) == pytest.approx(7 / 14)
+    assert acceptance_rate([0], [0]) is None
+
+
+def test_conditional_acceptance_counts_only_reached_positions():
+    positions = conditional_acceptance(DRAFTED, ACCEPTED)
+    # k=1: rounds 1-4 reach it, 3 accept; k=2: rounds 1,3,4 reach it (1 accepted), 2 accept;
+    # k=3: rounds 1,3 (2 accepted) reach it, round 1 accepts; k=4: only round 1.
+    assert positions.attempts == [4, 3, 2, 1]
+    assert positions.accepts == [3, 2, 1, 1]
+    assert positions.rates == pytest.approx([3 / 4, 2 / 3, 1 / 2, 1.0])
+    stats = GenerationStats()  # the generation loop's own tally agrees
+    for drafted, accepted in ROUNDS:
+        stats.record_round(drafted, accepted)
+    assert (stats.position_attempts, stats.position_accepts) == (positions.attempts, positions.accepts)
+    with pytest.raises(ValueError):
+        conditional_acceptance([2], [3])
+
+
+def test_round_record_outcomes():
+    record = RoundRecord(drafted=4, accepted=2, confidence=[0.5, 0.5, 0.5, 0.5])
+    assert record.conditional_outcomes == [1, 1, 0]
+    assert record.cumulative_outcomes == [1, 1, 0, 0]
+    assert record.survival == pytest.approx([0.5, 0.25, 0.125, 0.0625])
+    assert RoundRecord(3, 3).conditional_outcomes == [1, 1, 1]
+
+
+def test_expected_calibration_error_by_hand():
+    probs, outcomes = [0.1, 0.2, 0.7, 0.8, 0.9, 1.0], [0, 1, 1, 1, 0, 1]
+    # 2 bins: [0.1, 0.2] mean .15 vs .5 observed; [0.7..1.0] mean .85 vs .75 observed
+    assert expected_calibration_error(probs, outcomes, 2) == pytest.approx((2 * 0.35 + 4 * 0.1) / 6)
+    # 10 bins: 1.0 shares the last bin with 0.9 (mean .95 vs .5)
+    assert expected_calibration_error(probs, outcomes, 10) == pytest.approx((0.1 + 0.8 + 0.3 + 0.2 + 2 * 0.45) / 6)
+    assert expected_calibration_error([0.25, 0.25, 0.25, 0.25], [1, 0, 0, 0], 10) == pytest.approx(0.0)
+    assert expected_calibration_error([], [], 10) == 0.0
+
+
+def test_roc_auc_with_ties():
+    # positive 0.4 vs negative 0.4 counts one half: (1 + 0.5 + 2) / 4
+    assert roc_auc([0.1, 0.4, 0.4, 0.8], [0, 0, 1, 1]) == pytest.approx(0.875)
+    assert roc_auc([0.1, 0.2, 0.3], [0, 1, 1]) == 1.0
+    assert roc_auc([0.3, 0.2, 0.1], [0, 1, 1]) == 0.0
+    assert roc_auc([0.5] * 4, [0, 1, 0, 1]) == 0.5
+    assert roc_auc([0.1, 0.9], [1, 1]) is None
+
+
+# ---------------------------------------------------------------------------- threshold wrapper
+
+
+def test_cut_at_threshold():
+    draft = Draft(torch.tensor([5, 6, 7, 8]), torch.full((4, 10), 0.1), torch.tensor([0.9, 0.8, 0.9, 0.5]))
+    # a = 0.9, 0.72, 0.648, 0.324
+    assert cut_at_threshold(draft, 0.7).tokens.tolist() == [5, 6]
+    assert cut_at_threshold(draft, 0.7).q.shape == (2, 10)
+    assert cut_at_threshold(draft, 0.3).tokens.tolist() == [5, 6, 7, 8]
+    assert len(cut_at_threshold(draft, 0.95)) == 0
+    with pytest.raises(DsparkError, match="confidence head"):
+        cut_at_threshold(Draft(torch.tensor([1, 2])), 0.5)
+
+
+def test_domains():
+    assert [domain_of(n) for n in ("math500", "aime25", "gsm8k", "humaneval", "mbpp", "livecodebench",
+                                   "mt-bench", "alpaca", "my-prompts")] == ["math"] * 3 + ["code"] * 3 + ["chat"] * 3
+
+
+# ---------------------------------------------------------------------------------------- STS
+
+
+def synthetic_rounds(num_rounds: int = 3000, gamma: int = 4, scale: float = 3.0, seed: int = 0) -> list[RoundRecord]:
+    """Drafts survive with probability σ(z) given their prefix survived, but the head reports scale·z
+    (overconfident, as the paper finds raw confidence heads)."""
+    rng = np.random.default_rng(seed)
+    rounds = []
+    for _ in range(num_rounds):
+        z = rng.normal(1.0, 1.5, gamma)
+        survived = rng.random(gamma) < sigmoid(z)
+        accepted = gamma if survived.all() else int(np.argmin(survived))
+        rounds.append(RoundRecord(gamma, accepted, raw_logits=(scale * z).tolist()))
+    return rounds
+
+
+def test_sts_lowers_ece_and_preserves_order():
+    logits, outcomes = calibration_arrays(synthetic_rounds(), 4)
+    temperatures = fit_sequential_temperatures(logits, outcomes)
+    assert 2.0 < temperatures[0] < 4.5  # the true factor is 3
+    reports = position_reports(logits, outcomes, temperatures)
+    for report in reports:
+        assert report.ece_after < report.ece_before
+        assert report.ece_after < 0.03
+    assert reports[0].ece_before > 0.05
+    assert reports[0].auc_after == pytest.approx(reports[0].auc_before)  # a_1 = c_1: a monotone map
+    for k, t in enumerate(temperatures):  # within one position, calibrated c_k rank exactly like z_k
+        assert t > 0
+        calibrated = sigmoid(logits[:, k] / t)
+        assert (np.argsort(calibrated, kind="stable") == np.argsort(logits[:, k], kind="stable")).all()
+
+
+def test_sts_leaves_calibrated_head_and_unseen_positions_alone():
+    logits, outcomes = calibration_arrays(synthetic_rounds(scale=1.0), 4)
+    temperatures = fit_sequential_temperatures(logits, np.where(np.arange(4) < 3, outcomes, np.nan))
+    assert 0.7 < temperatures[0] < 1.4
+    assert temperatures[3] == 1.0  # no rounds verified position 4
+    assert fit_sequential_temperatures(logits[:20], outcomes[:20], min_rounds=50) == [1.0] * 4
+
+
+# ----------------------------------------------------------------------- tiny models on disk
+
+WORDS = [f"w{i}" for i in range(80)]
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<user>", "<assistant>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+GAMMA = 4
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                        bos_token="<bos>", unk_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """A tiny random Llama target with a tokenizer and a random DSpark drafter, saved to disk."""
+    root = tmp_path_factory.mktemp("eval")
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    config = DSparkConfig.for_target(target.config, num_hidden_layers=1, markov_rank=8, block_size=GAMMA)
+    model = DSparkModel(config, target.get_input_embeddings(), target.get_output_embeddings())
+    model.init_weights(std=0.3)  # confidences spread well away from 0.5
+    save_pretrained(model, root / "drafter", dtype=torch.float32)
+    for name, count in (("gsm8k", 3), ("mbpp", 2)):
+        lines = [json.dumps({"turns": [" ".join(WORDS[i : i + 3 + i % 4])]}) for i in range(count)]
+        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def copy_drafter(source, destination):
+    destination.mkdir()
+    for file in source.iterdir():
+        (destination / file.name).write_bytes(file.read_bytes())
+    return destination
+
+
+def test_temperatures_round_trip_and_change_confidence(tiny_dirs, tmp_path):
+    path = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
+    target = load_target(str(tiny_dirs / "target")).model
+    z = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    raw = load_dspark(path, target).model
+    assert torch.allclose(raw.confidence(z), torch.sigmoid(z))
+
+    temperatures = [2.0, 1.0, 0.5, 4.0]
+    store_temperatures(path, temperatures)
+    assert read_config(path).calibration_temperatures == temperatures
+    calibrated = load_dspark(path, target).model
+    assert torch.allclose(calibrated.confidence(z), torch.sigmoid(z / torch.tensor(temperatures)))
+    assert torch.allclose(calibrated.confidence(z[:, :2]), torch.sigmoid(z[:, :2] / torch.tensor([2.0, 1.0])))
+
+    before = (path / "config.json").read_text()
+    with pytest.raises(DrafterLoadError, match="calibration temperatures"):
+        store_temperatures(path, [1.0, 2.0])  # wrong length: refused, config untouched
+    assert (path / "config.json").read_text() == before
+    store_temperatures(path, None)
+    assert read_config(path).calibration_temperatures is None
+
+
+def test_rollout_records_match_stats_and_raw_logits(tiny_dirs, tmp_path):
+    from dspark.api import prompt_ids
+    from dspark.drafters import load_drafter
+
+    path = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
+    temperatures = [2.0, 0.5, 1.0, 3.0]
+    store_temperatures(path, temperatures)
+    loaded = load_target(str(tiny_dirs / "target"))
+    drafter = load_drafter(str(path), loaded.model, draft_dtype=torch.float32)
+    rollout = rollout_prompt(loaded, drafter, prompt_ids(loaded, "w1 w2 w3"), max_new_tokens=14,
+                             sampling=SamplingParams(1.0), block_size=GAMMA, seed=3, dataset="x")
+    stats = rollout.stats
+    assert [r.drafted for r in rollout.rounds] == stats.drafted_per_round
+    assert [r.accepted for r in rollout.rounds] == stats.accepted_per_round
+    assert len(rollout.tokens) == stats.num_generated
+    for record in rollout.rounds:
+        assert len(record.confidence) == len(record.raw_logits) == record.drafted
+        expected = [1 / (1 + math.exp(-z / t)) for z, t in zip(record.raw_logits, temperatures, strict=False)]
+        assert record.confidence == pytest.approx(expected, rel=1e-5)
+    assert "confidence" not in vars(drafter.model)  # the capture hook is removed afterwards
+
+
+def run_cli(capsys, *argv) -> dict:
+    assert main([str(a) for a in argv]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def eval_args(dirs, *extra):
+    return ["eval", "--target", dirs / "target", "--drafter", dirs / "drafter", "--dataset", dirs / "gsm8k.jsonl",
+            "--dataset", dirs / "mbpp.jsonl", "--num-prompts", 3, "--max-new-tokens", 12, "--json", *extra]
+
+
+def test_eval_end_to_end(tiny_dirs, tmp_path, capsys):
+    report = run_cli(capsys, *eval_args(tiny_dirs, "--plot-dir", tmp_path / "plots"))
+    assert set(report["datasets"]) == {"gsm8k", "mbpp"}
+    assert set(report["domains"]) == {"math", "code"}
+    assert report["datasets"]["gsm8k"]["num_prompts"] == 3 and report["datasets"]["mbpp"]["num_prompts"] == 2
+    rounds = report["num_rounds"]
+    assert rounds == sum(d["num_rounds"] for d in report["datasets"].values())
+    assert sum(report["accepted_length_histogram"]) == rounds
+    accepted = sum(n * c for n, c in enumerate(report["accepted_length_histogram"]))
+    assert report["tau"] == pytest.approx(1 + accepted / rounds, abs=1e-4)
+    assert len(report["position_acceptance"]) == GAMMA == report["block_size"]
+    assert 0 < report["tokens_verified_per_round"] <= GAMMA
+    assert report["confidence"]["count"] > 0 and 0 <= report["confidence"]["ece"] <= 1
+    assert report["time_s"]["draft"] > 0 and report["time_s"]["verify"] > 0
+    for name in ("position_acceptance.png", "accepted_length_histogram.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_threshold_cuts_drafts(tiny_dirs, capsys):
+    full = run_cli(capsys, *eval_args(tiny_dirs))
+    none_cut = run_cli(capsys, *eval_args(tiny_dirs, "--threshold", 0.0))
+    assert none_cut["tau"] == full["tau"] and none_cut["num_rounds"] == full["num_rounds"]
+    assert none_cut["tokens_verified_per_round"] == full["tokens_verified_per_round"]
+    half = run_cli(capsys, *eval_args(tiny_dirs, "--threshold", 0.5))
+    assert half["tokens_verified_per_round"] < full["tokens_verified_per_round"]
+    everything_cut = run_cli(capsys, *eval_args(tiny_dirs, "--threshold", 1.0))
+    assert everything_cut["tokens_verified_per_round"] == 0 and everything_cut["tau"] == 1.0
+
+
+def test_calibrate_end_to_end(tiny_dirs, tmp_path, capsys):
+    path = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
+    args = ["calibrate", "--target", tiny_dirs / "target", "--drafter", path, "--dataset",
+            tiny_dirs / "mbpp.jsonl", "--num-prompts", 2, "--max-new-tokens", 16, "--temperature", 1,
+            "--min-rounds", 1, "--json"]
+    dry = run_cli(capsys, *args, "--dry-run")
+    assert read_config(path).calibration_temperatures is None and dry["stored"] is False
+    result = run_cli(capsys, *args, "--plot", tmp_path / "reliability.png")
+    assert result["temperatures"] == dry["temperatures"]  # same seed, same rollouts
+    assert len(result["temperatures"]) == GAMMA and len(result["positions"]) == GAMMA
+    assert read_config(path).calibration_temperatures == pytest.approx(result["temperatures"], rel=1e-4)
+    first = result["positions"][0]
+    assert first["count"] == result["num_rounds"] > 0 and first["ece_after"] <= first["ece_before"] + 1e-9
+    assert (tmp_path / "reliability.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_calibrate_refuses_drafter_without_confidence_head(tiny_dirs, capsys):
+    assert main(["calibrate", "--target", str(tiny_dirs / "target"), "--drafter", "ngram",
+                 "--dataset", str(tiny_dirs / "mbpp.jsonl")]) == 2
+    assert "nothing to calibrate" in capsys.readouterr().err
