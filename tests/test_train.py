@@ -231,6 +231,8 @@ def test_unknown_or_bad_config_is_refused(tmp_path):
         load_config(None, ["drafter_type=medusa"])
     with pytest.raises(DsparkError, match="key=value"):
         load_config(None, ["lr"])
+    with pytest.raises(DsparkError, match="autocast"):
+        load_config(None, ["autocast=fp8"])
 
 
 def test_cli_parser_registers_train():
@@ -324,6 +326,14 @@ def test_baselines_train_with_ce_only(workdir, drafter_type):
     assert config["dspark"]["drafter_type"] == drafter_type
     if drafter_type == "dflash":
         assert config["markov_head_type"] is None and not config["enable_confidence_head"]
+
+
+def test_bf16_autocast_tracks_fp32_training(workdir):
+    """The drafter forward under bf16 autocast (loss in fp32) follows the fp32 run closely."""
+    fp32 = train(tiny_config(workdir, "fp32", max_steps=3, save_every=3, eval_every=3))
+    bf16 = train(tiny_config(workdir, "bf16", max_steps=3, save_every=3, eval_every=3, autocast="bfloat16"))
+    assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.05)
+    assert bf16["loss"] != fp32["loss"]  # autocast really ran
 
 
 def test_torchrun_two_processes_match_single_process(workdir):

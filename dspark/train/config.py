@@ -54,6 +54,7 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads per process; 0 = torch's default
     device: str = "auto"  # auto | cpu | cuda
     target_dtype: str = "float32"
+    autocast: str = "none"  # none | bfloat16: autocast the drafter's forward (the loss stays fp32)
     save_dtype: str = "float32"  # dtype of the final drafter weights (checkpoints stay float32)
     tensorboard: bool = True  # also log to TensorBoard when it is installed
     progress: bool = True  # tqdm bar on rank 0
@@ -76,6 +77,8 @@ class TrainConfig:
         for name in ("target_dtype", "save_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise DsparkError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
+        if self.autocast not in ("none", "bfloat16", "float16"):
+            raise DsparkError(f"autocast must be none, bfloat16 or float16, got {self.autocast!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise DsparkError(f"device must be auto, cpu or cuda, got {self.device!r}")
 

@@ -11,6 +11,7 @@ every block (B, A, γ, V) from the target features, and how to save it. Adding a
 `DrafterSpec`.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -495,6 +496,14 @@ def step_batch(run: Run, examples: list[Example], step: int, first_index: int, s
     return make_batch(examples, seeds, run.config.anchors_per_seq, run.pad_id, run.dist.device)
 
 
+def drafter_autocast(config: TrainConfig, device: torch.device):
+    """bf16 autocast for the drafter's forward (its LM head over the whole vocabulary dominates a CPU
+    step); the loss itself is computed in fp32."""
+    if config.autocast == "none":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, config.autocast))
+
+
 def batch_loss(run: Run, batch: Batch, module: nn.Module, global_norm: bool = True):
     """Loss of one local batch; with global_norm the normaliser is the global Σw / world size, so that
     DDP's gradient average is the gradient of the global weighted mean."""
@@ -506,7 +515,10 @@ def batch_loss(run: Run, batch: Batch, module: nn.Module, global_norm: bool = Tr
     if global_norm:
         w = position_weights(config.block_size, config.decay_lambda, valid.device) * valid.float()
         normalizer = (run.dist.sum(w.sum()) / run.dist.world).clamp_min(1e-6)
-    logits, confidence_logits = module(features, batch.input_ids, batch.anchors)
+    with drafter_autocast(config, features.device):
+        logits, confidence_logits = module(features, batch.input_ids, batch.anchors)
+    logits = logits.float()
+    confidence_logits = None if confidence_logits is None else confidence_logits.float()
     out = block_loss(logits, target_logits, labels, valid, confidence_logits, run.weights, config.decay_lambda,
                      normalizer)
     return out, valid
