@@ -21,6 +21,7 @@ from torch import nn
 
 from dspark.drafters.base import Draft, Drafter
 from dspark.drafters.heads import HEAD_TYPES, ConfidenceHead, build_sequential_head, sequential_logits
+from dspark.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin
 from dspark.sampling import SamplingParams, probabilities, sample
 
 
@@ -132,39 +133,6 @@ class DSparkConfig:
         return cls(**values)
 
 
-class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: normalise in float32, scale in the input dtype."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin (B, N, head_dim) for absolute positions (B, N)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    angles = positions.float()[..., None] * inv_freq
-    angles = torch.cat([angles, angles], -1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, N, hd); rotate-half convention of Llama/Qwen."""
-    cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rotated * sin
-
-
 class DSparkAttention(nn.Module):
     def __init__(self, config: DSparkConfig) -> None:
         super().__init__()
@@ -206,22 +174,11 @@ class DSparkAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
 
 
-class DSparkMLP(nn.Module):
-    def __init__(self, config: DSparkConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DSparkDecoderLayer(nn.Module):
     def __init__(self, config: DSparkConfig) -> None:
         super().__init__()
         self.self_attn = DSparkAttention(config)
-        self.mlp = DSparkMLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dspark.drafters.base import Draft, Drafter
+from dspark.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin
 from dspark.errors import DrafterLoadError
 from dspark.sampling import SamplingParams, probabilities, sample
 from dspark.target import Target
@@ -120,30 +121,10 @@ class Eagle3Config(DraftLayerConfig):
 # -- Llama building blocks ---------------------------------------------------------------------
 
 
-class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in float32, scale in the input dtype."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half RoPE of x (B, H, T, hd) at absolute positions (T,)."""
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=x.device).float() / head_dim)
-    angles = positions.to(x.device).float()[:, None] * inv_freq
-    angles = torch.cat([angles, angles], -1)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    half = head_dim // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+    cos, sin = rope_cos_sin(positions.to(x.device)[None], x.shape[-1], theta, x.dtype)
+    return apply_rope(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -163,21 +144,10 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, positions, self.rope_theta)
-        k = apply_rope(k, positions, self.rope_theta)
+        q = rope(q, positions, self.rope_theta)
+        k = rope(k, positions, self.rope_theta)
         out = attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: DraftLayerConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -189,7 +159,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, attention_input_size or config.hidden_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def block(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         h = residual + self.self_attn(x, positions, attend)

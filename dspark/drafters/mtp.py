@@ -26,7 +26,6 @@ from dspark.drafters.eagle3 import (
     DecoderLayer,
     DraftLayerConfig,
     KVCache,
-    RMSNorm,
     SharedHeadsMixin,
     build_for_target,
     causal_attend,
@@ -38,6 +37,7 @@ from dspark.drafters.eagle3 import (
     save_checkpoint,
     shift_left,
 )
+from dspark.drafters.layers import RMSNorm
 from dspark.sampling import SamplingParams, probabilities
 
 
