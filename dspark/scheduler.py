@@ -1,0 +1,347 @@
+"""How many draft tokens each request sends to the target: the hardware-aware prefix scheduler.
+
+A round verifies, for every active request r, a prefix of ℓ_r of its γ_r drafts. Each verified
+draft costs a token in the target's forward (B = Σ_r (1 + ℓ_r) tokens) but only pays off if it
+survives; the confidence head estimates that chance as the prefix survival a_{r,j} = Π_{i≤j} c_{r,i}.
+The expected token throughput of a round is Θ = τ·SPS(B), with τ = Σ_r (1 + Σ_{j≤ℓ_r} a_{r,j}) the
+expected tokens emitted and SPS(B) the target's steps per second at B tokens per forward (profiled
+once, `SPSTable`).
+
+Schedulers here are pure functions of the survival lists, so they can be tested without a model:
+
+- `fixed_lengths`: verify min(γ, γ_r) drafts (the usual speculative decoding);
+- `threshold_lengths`: the static confidence threshold of prior work (longest prefix with a ≥ t);
+- `dspark_lengths`: paper Algorithm 1 — greedy admission in order of a, stopping at the first
+  admission that does not improve Θ. The early stop is what keeps sampling lossless: admitting
+  draft k is decided from a_{r,≤k}, which depend on x_{r,<k} only, never on x_{r,k} itself;
+- `retrospective_lengths`: the same path without the early stop (the best prefix of the whole
+  path). NOT lossless (paper appendix A: a_{r,k+1} depends on x_{r,k}, so whether x_{r,k} is
+  verified would depend on its own value); kept as the negative control of the tests;
+- `async_capacity` + `topk_lengths`: the production variant (paper §5.2). The capacity K comes
+  from a search over confidences of two rounds earlier (so the step size is known in advance, and
+  the search may drop the early stop: it cannot see the current drafts); the current round then
+  verifies its top-K a_{r,j}, which is non-anticipating because a_{r,k+1} ≤ a_{r,k} ranks behind.
+
+Why cutting a draft early is lossless at all: verification accepts x_k with min(1, p_k/q_k)
+regardless of how many drafts follow, so verifying ℓ drafts is speculative decoding with block
+size ℓ; choosing ℓ is harmless as long as the choice to verify x_k does not look at x_k.
+"""
+
+import json
+import math
+import random
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from dspark.errors import DsparkError
+
+#: Per request r, its prefix survival a_{r,1..γ_r} (non-increasing); lists, tensors or arrays.
+Survival = Sequence[Sequence[float]] | Any
+#: SPS(B): target steps per second for a forward of B tokens (an `SPSTable` or any callable).
+StepCurve = Callable[[int], float]
+
+
+# ------------------------------------------------------------------------------- SPS table
+
+
+def _isotonic_non_increasing(values: Sequence[float]) -> list[float]:
+    """Least-squares non-increasing fit (pool adjacent violators): noise in a timing can go either
+    way, so averaging violating neighbours is fairer than trusting the smallest measurement."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([float(value), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            mean, count = blocks.pop()
+            previous = blocks[-1]
+            total = previous[1] + count
+            previous[0] = (previous[0] * previous[1] + mean * count) / total
+            previous[1] = total
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
+def _running_min(values: Sequence[float]) -> list[float]:
+    """Pessimistic non-increasing envelope: SPS(B) = min over b ≤ B of the measured SPS(b)."""
+    out, low = [], math.inf
+    for value in values:
+        low = min(low, float(value))
+        out.append(low)
+    return out
+
+
+@dataclass(frozen=True)
+class SPSTable:
+    """SPS(B) for B = 1..max_tokens, non-increasing in B (values[B-1] = SPS(B)).
+
+    Measured step rates are jagged (kernel tiles, noise); Algorithm 1's early stop assumes a
+    smoothly decaying curve (paper §3.2.2), so measurements are smoothed to be monotone on the way
+    in. Lookups beyond the profiled range are clamped to the nearest end: profile up to the largest
+    forward the engine can issue, R_max·(γ+1) tokens.
+    """
+
+    values: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.values:
+            raise DsparkError("an SPS table needs at least one value")
+        if any(not (math.isfinite(v) and v > 0) for v in self.values):
+            raise DsparkError("SPS values must be finite and positive")
+        if any(b > a for a, b in zip(self.values, self.values[1:], strict=False)):
+            raise DsparkError("SPS values must be non-increasing in B; build with SPSTable.from_measurements")
+
+    @classmethod
+    def from_measurements(cls, measured: Sequence[float] | Mapping[int, float],
+                          method: str = "isotonic") -> "SPSTable":
+        """Smooth measurements to a monotone table.
+
+        `measured` is either SPS(1..n) in order, or {B: SPS(B)} for some B (the rest are
+        interpolated linearly in between and clamped before the first measured B).
+        `method`: "isotonic" (least-squares fit) or "running-min" (pessimistic envelope).
+        """
+        if isinstance(measured, Mapping):
+            measured = _interpolate(measured)
+        smooth = {"isotonic": _isotonic_non_increasing, "running-min": _running_min}.get(method)
+        if smooth is None:
+            raise DsparkError(f"unknown SPS smoothing {method!r}; use 'isotonic' or 'running-min'")
+        return cls(tuple(smooth(list(measured))))
+
+    @property
+    def max_tokens(self) -> int:
+        return len(self.values)
+
+    def sps(self, num_tokens: int) -> float:
+        """SPS(B), with B clamped into [1, max_tokens]."""
+        return self.values[min(max(int(num_tokens), 1), len(self.values)) - 1]
+
+    __call__ = sps
+
+    def to_json(self) -> str:
+        return json.dumps({"sps": list(self.values)})
+
+    @classmethod
+    def from_json(cls, text: str) -> "SPSTable":
+        return cls(tuple(float(v) for v in json.loads(text)["sps"]))
+
+
+def _interpolate(points: Mapping[int, float]) -> list[float]:
+    """SPS(1..max B) from a sparse {B: SPS(B)}: linear between measured B, flat before the first."""
+    sizes = sorted(int(b) for b in points)
+    if not sizes or sizes[0] < 1:
+        raise DsparkError("measured batch sizes must be >= 1")
+    values = []
+    for b in range(1, sizes[-1] + 1):
+        upper = next(s for s in sizes if s >= b)
+        lower = max((s for s in sizes if s <= b), default=upper)
+        if lower == upper:
+            values.append(float(points[upper]))
+        else:
+            w = (b - lower) / (upper - lower)
+            values.append((1 - w) * float(points[lower]) + w * float(points[upper]))
+    return values
+
+
+def profile_sps(forward_fn: Callable[[int], Any], max_tokens: int, repeats: int = 5, warmup: int = 1,
+                sizes: Iterable[int] | None = None, method: str = "isotonic") -> SPSTable:
+    """Time `forward_fn(B)` (one target forward over B tokens) and return the smoothed table.
+
+    `forward_fn` must block until the forward has finished (e.g. end with torch.cuda.synchronize()),
+    or the timing measures only the kernel launch. The median of `repeats` timings is used, since a
+    stray slow step (allocator, other process) should not set a batch size's cost. `sizes` restricts
+    the measured B (the rest are interpolated); default every B in 1..max_tokens.
+    """
+    measured = {}
+    for b in sorted(set(sizes) if sizes is not None else range(1, max_tokens + 1)):
+        for _ in range(warmup):
+            forward_fn(b)
+        timings = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            forward_fn(b)
+            timings.append(time.perf_counter() - start)
+        measured[b] = 1.0 / max(statistics.median(timings), 1e-9)
+    return SPSTable.from_measurements(measured, method)
+
+
+# ------------------------------------------------------------------------------ schedulers
+
+
+def _rows(survival: Survival) -> list[list[float]]:
+    """Survival as lists of floats, checked: a NaN or an increasing a would silently break the sort
+    (and with it the guarantee that admitted drafts form contiguous prefixes)."""
+    if hasattr(survival, "tolist"):
+        survival = survival.tolist()
+    rows = [[float(a) for a in (row.tolist() if hasattr(row, "tolist") else row)] for row in survival]
+    for row in rows:
+        if any(not (0.0 <= a <= 1.0) for a in row):
+            raise ValueError(f"survival probabilities must lie in [0, 1], got {row}")
+        if any(b > a for a, b in zip(row, row[1:], strict=False)):
+            raise ValueError(f"survival must be non-increasing along a request (a cumulative product), got {row}")
+    return rows
+
+
+def _admission_order(rows: list[list[float]]) -> list[tuple[float, int, int]]:
+    """Every (a, r, j) with a > 0, best first. Ties go to the smaller j (then r), so that with a
+    non-increasing per request a pair always comes after the rest of its request's prefix."""
+    pairs = [(a, r, j) for r, row in enumerate(rows) for j, a in enumerate(row, start=1) if a > 0.0]
+    pairs.sort(key=lambda pair: (-pair[0], pair[2], pair[1]))
+    return pairs
+
+
+def _lengths_of(order: list[tuple[float, int, int]], count: int, num_requests: int) -> list[int]:
+    """ℓ_r after admitting the first `count` pairs of the admission order."""
+    lengths = [0] * num_requests
+    for _, r, j in order[:count]:
+        lengths[r] = j  # contiguous by construction of the order
+    return lengths
+
+
+def _throughputs(order: list[tuple[float, int, int]], num_requests: int, sps: StepCurve):
+    """Θ after admitting 0, 1, 2, ... pairs of the order, lazily (so the early stop reads no more
+    of the path than it needs)."""
+    batch, expected = num_requests, float(num_requests)
+    yield expected * sps(batch)
+    for a, _, _ in order:
+        batch += 1
+        expected += a
+        yield expected * sps(batch)
+
+
+def fixed_lengths(survival: Survival, gamma: int) -> list[int]:
+    """Verify the first min(γ, γ_r) drafts of every request, whatever the confidences."""
+    return [min(gamma, len(row)) for row in _rows(survival)]
+
+
+def threshold_lengths(survival: Survival, t: float) -> list[int]:
+    """Static threshold: the longest prefix whose every a_k ≥ t (load-blind; paper §3.2.2)."""
+    return [next((k for k, a in enumerate(row) if a < t), len(row)) for row in _rows(survival)]
+
+
+def dspark_lengths(survival: Survival, sps: StepCurve) -> list[int]:
+    """Paper Algorithm 1: admit (r, j) in order of a_{r,j} while Θ = τ·SPS(B) strictly improves;
+    stop at the first admission that does not improve it (causal, hence lossless)."""
+    rows = _rows(survival)
+    order = _admission_order(rows)
+    throughputs = _throughputs(order, len(rows), sps)
+    best, admitted = next(throughputs), 0
+    for theta in throughputs:
+        if theta <= best:
+            break
+        best, admitted = theta, admitted + 1
+    return _lengths_of(order, admitted, len(rows))
+
+
+def retrospective_lengths(survival: Survival, sps: StepCurve) -> list[int]:
+    """The best prefix of the whole admission path (no early stop; first maximum on ties).
+
+    Escapes local optima of a jagged SPS, but applied to the current confidences it is NOT lossless
+    (paper appendix A); only safe on confidences the current drafts cannot influence (§5.2).
+    """
+    rows = _rows(survival)
+    order = _admission_order(rows)
+    throughputs = list(_throughputs(order, len(rows), sps))
+    admitted = max(range(len(throughputs)), key=lambda i: (throughputs[i], -i))
+    return _lengths_of(order, admitted, len(rows))
+
+
+def async_capacity(survival_two_rounds_ago: Survival, sps: StepCurve, early_stop: bool = False) -> int:
+    """K = total drafts to verify this round, decided from the confidences of two rounds earlier.
+
+    Those confidences cannot depend on this round's drafts, so the search may run without the early
+    stop (paper §5.2: this steps over cliffs of a jagged SPS curve without breaking losslessness).
+    """
+    search = dspark_lengths if early_stop else retrospective_lengths
+    return sum(search(survival_two_rounds_ago, sps))
+
+
+def topk_lengths(survival: Survival, k: int) -> list[int]:
+    """Verify the K drafts with the highest current a_{r,j} (fewer if fewer have a > 0), as
+    contiguous prefixes. Non-anticipating: whether (r, j) makes the cut depends only on pairs ranked
+    ahead of it, and r's own later drafts (which do depend on x_{r,j}) all rank behind."""
+    rows = _rows(survival)
+    return _lengths_of(_admission_order(rows), max(int(k), 0), len(rows))
+
+
+# ------------------------------------------------------------------------ registry by name
+
+
+@dataclass
+class SchedulerState:
+    """What a stateful scheduler remembers between rounds: the survival lists of the last two
+    rounds (oldest first), for `dspark-async`."""
+
+    history: deque = field(default_factory=lambda: deque(maxlen=2))
+
+
+class Scheduler(Protocol):
+    def __call__(self, survival: Survival, sps: StepCurve, state: SchedulerState | None) -> list[int]: ...
+
+
+def _none(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> list[int]:
+    return [0] * len(_rows(survival))
+
+
+def _dspark(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> list[int]:
+    return dspark_lengths(survival, sps)
+
+
+def _dspark_async(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> list[int]:
+    """Top-K with K from two rounds ago; until two rounds have been seen (or without a state) it
+    falls back to synchronous Algorithm 1, which is lossless too."""
+    if state is None or len(state.history) < 2:
+        lengths = dspark_lengths(survival, sps)
+    else:
+        lengths = topk_lengths(survival, async_capacity(state.history[0], sps))
+    if state is not None:
+        state.history.append(_rows(survival))
+    return lengths
+
+
+def get_scheduler(name: str) -> Scheduler:
+    """A scheduler by name: "none" (no drafts: plain decoding), "fixed" (every draft), "fixed-<γ>",
+    "threshold" (t = 0.5) or "threshold-<t>", "dspark" (Algorithm 1), "dspark-async" (§5.2)."""
+    if name == "none":
+        return _none
+    if name == "dspark":
+        return _dspark
+    if name == "dspark-async":
+        return _dspark_async
+    kind, _, arg = name.partition("-")
+    try:
+        if kind == "fixed":
+            gamma = int(arg) if arg else 1 << 30
+            if gamma < 0:
+                raise ValueError
+            return lambda survival, sps, state: fixed_lengths(survival, gamma)
+        if kind == "threshold":
+            t = float(arg) if arg else 0.5
+            if not 0.0 <= t <= 1.0:
+                raise ValueError
+            return lambda survival, sps, state: threshold_lengths(survival, t)
+    except ValueError:
+        pass
+    raise DsparkError(f"unknown scheduler {name!r}; use none, fixed, fixed-<γ>, threshold, threshold-<t>, "
+                      "dspark or dspark-async")
+
+
+# ------------------------------------------------------------------------------- overhead
+
+
+def scheduler_overhead(num_requests: int = 16, gamma: int = 7, repeats: int = 200, seed: int = 0) -> float:
+    """Mean seconds per `dspark_lengths` call on random confidences (compare with a ~50 ms round)."""
+    rng = random.Random(seed)
+    survival = []
+    for _ in range(num_requests):
+        a, row = 1.0, []
+        for _ in range(gamma):
+            a *= rng.uniform(0.5, 1.0)
+            row.append(a)
+        survival.append(row)
+    max_tokens = num_requests * (gamma + 1)
+    sps = SPSTable(tuple(1.0 / (0.02 + 0.0002 * b) for b in range(1, max_tokens + 1)))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dspark_lengths(survival, sps)
+    return (time.perf_counter() - start) / repeats

@@ -1,0 +1,288 @@
+"""The prefix schedulers (paper Algorithm 1 and its variants) on hand-made confidences, and the
+paper's appendix-A counterexample as a statistical test: the early stop keeps sampling lossless,
+the retrospective search does not."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from scipy.stats import binomtest
+from stats_helpers import chi_square_pvalue
+
+from dspark.errors import DsparkError
+from dspark.sampling import sample
+from dspark.scheduler import (
+    SchedulerState,
+    SPSTable,
+    async_capacity,
+    dspark_lengths,
+    fixed_lengths,
+    get_scheduler,
+    profile_sps,
+    retrospective_lengths,
+    scheduler_overhead,
+    threshold_lengths,
+    topk_lengths,
+)
+from dspark.verify import emitted_tokens, verify_sampled
+
+# Appendix A: SPS(1) = 1.0, SPS(2) = 0.5, SPS(3) = 0.45.
+APPENDIX_SPS = SPSTable((1.0, 0.5, 0.45))
+
+
+def table(fn, max_tokens: int = 300) -> SPSTable:
+    return SPSTable(tuple(fn(b) for b in range(1, max_tokens + 1)))
+
+
+# ------------------------------------------------------------------------------ SPS table
+
+
+def test_sps_table_smooths_jagged_measurements_to_monotone():
+    jagged = [10.0, 9.0, 9.5, 8.0, 8.2, 7.0]
+    assert SPSTable.from_measurements(jagged).values == pytest.approx((10, 9.25, 9.25, 8.1, 8.1, 7))
+    assert SPSTable.from_measurements(jagged, "running-min").values == (10, 9, 9, 8, 8, 7)
+    assert SPSTable.from_measurements([5.0, 6.0, 7.0]).values == pytest.approx((6, 6, 6))  # chained pooling
+    with pytest.raises(DsparkError):
+        SPSTable((1.0, 2.0))  # the raw constructor insists on monotone values
+    with pytest.raises(DsparkError):
+        SPSTable.from_measurements(jagged, "spline")
+
+
+def test_sps_table_interpolates_sparse_measurements_and_clamps_lookups():
+    sps = SPSTable.from_measurements({4: 7.0, 1: 10.0})
+    assert sps.values == pytest.approx((10, 9, 8, 7))
+    assert sps.max_tokens == 4
+    assert sps.sps(0) == sps(1) == 10.0
+    assert sps(100) == sps(4) == pytest.approx(7.0)
+
+
+def test_sps_table_json_round_trip():
+    sps = SPSTable.from_measurements([3.0, 2.5, 2.75, 1.0])
+    assert json.loads(sps.to_json())["sps"] == list(sps.values)
+    assert SPSTable.from_json(sps.to_json()) == sps
+
+
+def test_profile_sps_times_a_fake_forward(monkeypatch):
+    """A fake clock: forward(B) takes 10 ms + 1 ms·B, except B = 5, which is measured jagged-fast (13 ms)."""
+    clock = [0.0]
+    calls = []
+
+    def forward(num_tokens: int) -> None:
+        calls.append(num_tokens)
+        clock[0] += 0.013 if num_tokens == 5 else 0.010 + 0.001 * num_tokens
+
+    monkeypatch.setattr("dspark.scheduler.time.perf_counter", lambda: clock[0])
+    sps = profile_sps(forward, max_tokens=8, repeats=3, warmup=1)
+    assert calls == [b for b in range(1, 9) for _ in range(4)]
+    assert sps.max_tokens == 8
+    assert all(b <= a for a, b in zip(sps.values, sps.values[1:], strict=False))
+    assert sps(1) == pytest.approx(1 / 0.011)
+    assert sps(8) == pytest.approx(1 / 0.018)
+    assert sps(4) == sps(5) == pytest.approx((1 / 0.014 + 1 / 0.013) / 2)  # the outlier is pooled, not trusted
+
+    calls.clear()
+    sparse = profile_sps(forward, max_tokens=8, repeats=1, warmup=0, sizes=[1, 8])
+    assert calls == [1, 8] and sparse.max_tokens == 8
+    assert sparse(1) == pytest.approx(1 / 0.011) and sparse(8) == pytest.approx(1 / 0.018)
+
+
+# -------------------------------------------------------------------- simple schedulers
+
+
+SURVIVAL = [[0.9, 0.6, 0.3], [0.8, 0.1], []]
+
+
+def test_fixed_threshold_and_topk():
+    assert fixed_lengths(SURVIVAL, 2) == [2, 2, 0]
+    assert fixed_lengths(SURVIVAL, 0) == [0, 0, 0]
+    assert threshold_lengths(SURVIVAL, 0.5) == [2, 1, 0]
+    assert threshold_lengths(SURVIVAL, 0.6) == [2, 1, 0]  # a_k >= t is kept
+    assert threshold_lengths(SURVIVAL, 0.0) == [3, 2, 0]
+    assert topk_lengths(SURVIVAL, 0) == [0, 0, 0]
+    assert topk_lengths(SURVIVAL, 2) == [1, 1, 0]
+    assert topk_lengths(SURVIVAL, 3) == [2, 1, 0]
+    assert topk_lengths(SURVIVAL, 99) == [3, 2, 0]
+
+
+def test_ties_keep_prefixes_contiguous():
+    """Equal survival (c = 1) must not admit a request's 2nd draft before another request's 1st."""
+    assert topk_lengths([[0.5, 0.5], [0.5]], 2) == [1, 1]
+    assert topk_lengths([[0.5, 0.5, 0.5]], 2) == [2]
+
+
+def test_zero_survival_is_never_verified():
+    flat = table(lambda b: 1.0)
+    assert dspark_lengths([[0.9, 0.0, 0.0]], flat) == [1]
+    assert retrospective_lengths([[0.9, 0.0]], flat) == [1]
+    assert topk_lengths([[0.9, 0.0]], 5) == [1]
+
+
+def test_inputs_accept_tensors_and_reject_bad_survival():
+    assert dspark_lengths(torch.tensor([[0.9, 0.6], [0.8, 0.1]]), table(lambda b: 1.0)) == [2, 2]
+    with pytest.raises(ValueError):
+        dspark_lengths([[0.5, 0.6]], APPENDIX_SPS)  # increasing: not a cumulative product
+    with pytest.raises(ValueError):
+        dspark_lengths([[math.nan]], APPENDIX_SPS)
+
+
+# ------------------------------------------------------------------------- Algorithm 1
+
+
+def test_algorithm_1_hand_computed_two_requests():
+    """Θ: 2·1.0 = 2.0; +0.9 → 2.9·0.8 = 2.32; +0.8 → 3.7·0.7 = 2.59; +0.6 → 4.3·0.65 = 2.795;
+    +0.1 → 4.4·0.6 = 2.64 ≤ 2.795: stop."""
+    sps = SPSTable((1.0, 1.0, 0.8, 0.7, 0.65, 0.6))
+    survival = [[0.9, 0.6], [0.8, 0.1]]
+    assert dspark_lengths(survival, sps) == [2, 1]
+    assert retrospective_lengths(survival, sps) == [2, 1]
+
+
+def test_algorithm_1_stops_at_first_non_improvement_although_a_later_prefix_is_better():
+    """Appendix A: Θ0 = 1.0, Θ1 = 1.8·0.5 = 0.9, Θ2 = 2.52·0.45 = 1.134. Algorithm 1 stops at Θ1;
+    the retrospective search picks the global maximum Θ2."""
+    assert dspark_lengths([[0.8, 0.72]], APPENDIX_SPS) == [0]
+    assert retrospective_lengths([[0.8, 0.72]], APPENDIX_SPS) == [2]
+    assert retrospective_lengths([[0.8, 0.0]], APPENDIX_SPS) == [0]
+
+
+def test_algorithm_1_needs_strict_improvement():
+    sps = SPSTable((1.5, 1.0))
+    assert dspark_lengths([[0.5]], sps) == [0]  # Θ1 = 1.5·1.0 = Θ0
+    assert dspark_lengths([[0.51]], sps) == [1]
+
+
+def test_algorithm_1_is_load_aware():
+    """The same confidences get a shorter verification under a steeper SPS (a busier engine)."""
+    survival = [[0.9, 0.8, 0.6, 0.4, 0.2]]
+    free = table(lambda b: 1.0)
+    cheap = table(lambda b: 1 / (0.02 + 0.001 * b))
+    steep = table(lambda b: 1 / (0.02 + 0.01 * b))
+    assert dspark_lengths(survival, free) == [5]
+    assert dspark_lengths(survival, cheap)[0] > dspark_lengths(survival, steep)[0]
+
+
+def _random_survival(rng: random.Random, gamma: int = 7) -> list[float]:
+    a, row = 1.0, []
+    for _ in range(gamma):
+        a *= rng.uniform(0.3, 1.0)
+        row.append(a)
+    return row
+
+
+@pytest.mark.parametrize("name", ["latency-linear", "saturating"])
+def test_budget_per_request_does_not_grow_with_concurrency(name):
+    """Concave token throughput B·SPS(B): more requests with the same confidences never get a larger
+    mean verification budget each (the engine has less spare compute per request)."""
+    sps = {
+        "latency-linear": table(lambda b: 1 / (0.02 + 0.0005 * b)),
+        "saturating": table(lambda b: 1.0 if b <= 24 else 24 / b),
+    }[name]
+    rng = random.Random(0)
+    survivals = [[0.9**k for k in range(1, 8)], [0.95, 0.8, 0.6, 0.4, 0.3, 0.2, 0.1]]
+    survivals += [_random_survival(rng) for _ in range(8)]
+    for survival in survivals:
+        means = [sum(dspark_lengths([survival] * r, sps)) / r for r in range(1, 33)]
+        assert all(later <= earlier + 1e-12 for earlier, later in zip(means, means[1:], strict=False)), means
+        assert means[0] > means[-1]
+
+
+# ------------------------------------------------------------------- production variant
+
+
+def test_async_capacity_searches_past_the_early_stop():
+    assert async_capacity([[0.8, 0.72]], APPENDIX_SPS) == 2
+    assert async_capacity([[0.8, 0.72]], APPENDIX_SPS, early_stop=True) == 0
+
+
+def test_registry():
+    sps = table(lambda b: 1.0)
+    assert get_scheduler("none")(SURVIVAL, sps, None) == [0, 0, 0]
+    assert get_scheduler("fixed-1")(SURVIVAL, sps, None) == [1, 1, 0]
+    assert get_scheduler("fixed")(SURVIVAL, sps, None) == [3, 2, 0]
+    assert get_scheduler("threshold")(SURVIVAL, sps, None) == [2, 1, 0]
+    assert get_scheduler("threshold-0.7")(SURVIVAL, sps, None) == [1, 1, 0]
+    assert get_scheduler("dspark")(SURVIVAL, sps, None) == [3, 2, 0]
+    for bad in ["fixed-x", "fixed--1", "threshold-2", "eagle", "dspark-sync"]:
+        with pytest.raises(DsparkError):
+            get_scheduler(bad)
+
+
+def test_dspark_async_uses_capacity_from_two_rounds_ago():
+    sps = table(lambda b: 1 / (0.02 + 0.005 * b))
+    confident, doubtful = [[0.99] * 4, [0.98] * 4], [[0.3, 0.1, 0.05, 0.01], [0.2, 0.1, 0.05, 0.01]]
+    scheduler, state = get_scheduler("dspark-async"), SchedulerState()
+    # Rounds 1 and 2: nothing two rounds old yet, so synchronous Algorithm 1.
+    assert scheduler(confident, sps, state) == dspark_lengths(confident, sps)
+    assert scheduler(doubtful, sps, state) == dspark_lengths(doubtful, sps)
+    # Round 3: K comes from round 1's confident drafts; the current ones are ranked for the top-K.
+    k = async_capacity(confident, sps)
+    assert k > sum(dspark_lengths(doubtful, sps))
+    assert scheduler(doubtful, sps, state) == topk_lengths(doubtful, k)
+    # Round 4: K from round 2's doubtful drafts.
+    assert scheduler(confident, sps, state) == topk_lengths(confident, async_capacity(doubtful, sps))
+    assert scheduler(confident, sps, None) == dspark_lengths(confident, sps)  # stateless fallback
+
+
+def test_scheduler_overhead_runs():
+    assert scheduler_overhead(num_requests=4, gamma=3, repeats=3) > 0.0
+
+
+# ------------------------------------------------------------------- appendix A by simulation
+
+P = torch.tensor([0.7, 0.3])  # target: i.i.d. over {A, B}
+Q = torch.tensor([0.5, 0.5])  # draft
+TOKEN_A = 0
+SAMPLES = 20_000
+ALPHA = 1e-3
+
+
+def _toy_round(schedule, sps: SPSTable, generator: torch.Generator) -> list[int]:
+    """One round, R = 1, γ = 2: draft x_1, x_2 ~ q; confidence c_1 = 0.8 (= Σ min(p, q), known before
+    x_1 is drawn) and c_2 = 0.9 after x_1 = A, 0 after x_1 = B (a Markov confidence head's c_2 sees
+    x_1); schedule ℓ from the survival (0.8, 0.8·c_2); verify the first ℓ drafts; emitted tokens."""
+    drafts = sample(Q.expand(2, 2), generator)
+    c2 = 0.9 if int(drafts[0]) == TOKEN_A else 0.0
+    length = schedule([[0.8, 0.8 * c2]], sps)[0]
+    verdict = verify_sampled(drafts[:length], Q.expand(length, 2), P.expand(length + 1, 2), generator)
+    return emitted_tokens(drafts[:length], verdict)
+
+
+def _first_tokens(schedule, sps: SPSTable, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.tensor([_toy_round(schedule, sps, generator)[0] for _ in range(SAMPLES)])
+
+
+def test_appendix_a_schedules_as_in_the_paper():
+    survival_after = {"A": [[0.8, 0.72]], "B": [[0.8, 0.0]]}
+    assert [retrospective_lengths(survival_after[x], APPENDIX_SPS) for x in "AB"] == [[2], [0]]
+    assert [dspark_lengths(survival_after[x], APPENDIX_SPS) for x in "AB"] == [[0], [0]]
+
+
+def test_appendix_a_early_stop_is_lossless_and_retrospective_search_is_not():
+    """The first emitted token must be A with probability p(A) = 0.7. Algorithm 1 decides from
+    c_1 alone (Θ1 < Θ0: stop), so it is; the retrospective search admits x_1 only when x_1 = A
+    (it looked at c_2), which the paper computes to give 0.5 + 0.5·0.7 = 0.85."""
+    causal = _first_tokens(dspark_lengths, APPENDIX_SPS, seed=1)
+    peeking = _first_tokens(retrospective_lengths, APPENDIX_SPS, seed=1)
+    causal_a, peeking_a = int((causal == TOKEN_A).sum()), int((peeking == TOKEN_A).sum())
+    assert binomtest(causal_a, SAMPLES, 0.7).pvalue > ALPHA
+    assert binomtest(peeking_a, SAMPLES, 0.7).pvalue < ALPHA  # the negative control fails the test
+    assert peeking_a / SAMPLES == pytest.approx(0.85, abs=0.01)
+
+
+def test_causal_admission_that_depends_on_earlier_drafts_is_lossless():
+    """With SPS(2) = 0.6, Algorithm 1 admits x_1 (Θ1 = 1.08 > 1) and then admits x_2 only after
+    x_1 = A (Θ2 = 1.134): deciding on x_2 from x_1 is allowed. The first two emitted tokens must be
+    i.i.d. p (chi-square on the four pairs)."""
+    sps = SPSTable((1.0, 0.6, 0.45))
+    assert dspark_lengths([[0.8, 0.72]], sps) == [2] and dspark_lengths([[0.8, 0.0]], sps) == [1]
+    generator = torch.Generator().manual_seed(2)
+    pairs = []
+    for _ in range(SAMPLES):
+        tokens = _toy_round(dspark_lengths, sps, generator)
+        while len(tokens) < 2:
+            tokens += _toy_round(dspark_lengths, sps, generator)
+        pairs.append(2 * tokens[0] + tokens[1])
+    assert chi_square_pvalue(torch.tensor(pairs), torch.outer(P, P).flatten()) > ALPHA
