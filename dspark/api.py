@@ -1,7 +1,7 @@
 """Text-level entry points: `generate` and `stream`, with chat templates and stop strings."""
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +11,7 @@ from dspark.errors import DsparkError
 from dspark.generation import GenerationStats, speculative_decode
 from dspark.loading import LoadedTarget, load_target
 from dspark.sampling import SamplingParams, make_generator
+from dspark.scheduler import SchedulerState, get_scheduler
 from dspark.target import Target
 
 Messages = list[dict[str, str]]
@@ -129,21 +130,45 @@ def stream(
     chat: bool = True,
     stop: list[str] | None = None,
     block_size: int | None = None,
+    scheduler: str = "fixed",
 ) -> TextStream:
-    """Generate with speculative decoding, yielding text as it is committed."""
+    """Generate with speculative decoding, yielding text as it is committed.
+
+    `scheduler` picks how many of each round's drafts are verified: "fixed" (all), "fixed-<n>",
+    "threshold-<t>" (prefix with survival a_k >= t) or "dspark" (paper Algorithm 1 on the drafter's
+    confidences and the target's profiled step rate). Drafters without confidences always use fixed.
+    """
     sampling = SamplingParams(temperature, top_k, top_p)
     _validate(max_new_tokens, block_size)
     _validate_prompt(prompt)
+    get_scheduler(scheduler)
     loaded, drafter = resolve(target, drafter)
     block_size = effective_block_size(drafter, block_size)
     ids = prompt_ids(loaded, prompt, chat)
     handle = TextStream(iter(()))
-    handle._deltas = _run(handle, loaded, drafter, ids, max_new_tokens, sampling, seed, stop or [], block_size)
+    schedule = make_schedule(scheduler, loaded, drafter, block_size)
+    handle._deltas = _run(handle, loaded, drafter, ids, max_new_tokens, sampling, seed, stop or [], block_size,
+                          schedule)
     return handle
 
 
+def make_schedule(name: str, loaded: LoadedTarget, drafter: Drafter, block_size: int) -> Callable | None:
+    """A per-request `schedule(draft) -> l` for the single-request loop, or None for fixed γ."""
+    scheduler = get_scheduler(name)
+    if name == "fixed" or block_size == 0:
+        return None
+    sps = None
+    if name.startswith("dspark"):
+        from dspark.profiling import sps_table
+
+        sps = sps_table(loaded, block_size + 1)
+    state = SchedulerState()
+    return lambda draft: scheduler([draft.survival.tolist()], sps, state)[0]
+
+
 def _run(handle: TextStream, loaded: LoadedTarget, drafter: Drafter, ids: torch.Tensor, max_new_tokens: int,
-         sampling: SamplingParams, seed: int | None, stop: list[str], block_size: int) -> Iterator[str]:
+         sampling: SamplingParams, seed: int | None, stop: list[str], block_size: int,
+         schedule: Callable | None = None) -> Iterator[str]:
     tokenizer = loaded.tokenizer
     stats = GenerationStats()
     target = Target(loaded.model, drafter.target_layer_ids)
@@ -154,6 +179,7 @@ def _run(handle: TextStream, loaded: LoadedTarget, drafter: Drafter, ids: torch.
     chunks = speculative_decode(
         target, drafter, ids, max_new_tokens=max_new_tokens, sampling=sampling,
         generator=make_generator(seed), block_size=block_size, eos_token_ids=eos_token_ids(loaded), stats=stats,
+        schedule=schedule,
     )
     text = ""
     for chunk in chunks:

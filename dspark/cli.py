@@ -36,6 +36,8 @@ def add_generate_parser(subparsers) -> None:
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
     parser.add_argument("--json", action="store_true", help="print one JSON line with text, ids and stats last")
+    parser.add_argument("--scheduler", default="fixed",
+                        help="drafts verified per round: fixed | fixed-<n> | threshold-<t> | dspark (Algorithm 1)")
     parser.set_defaults(handler=run_generate)
 
 
@@ -45,7 +47,7 @@ def run_generate(args: argparse.Namespace) -> None:
     handle = stream(
         args.prompt, target=args.target, drafter=args.drafter, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        chat=not args.no_chat, stop=args.stop, block_size=args.block_size,
+        chat=not args.no_chat, stop=args.stop, block_size=args.block_size, scheduler=args.scheduler,
     )
     for delta in handle:
         if args.stream:
@@ -125,8 +127,29 @@ def add_eval_parser(subparsers) -> None:
     add(subparsers)
 
 
-COMMANDS: list[Callable] = [add_generate_parser, add_bench_parser, add_data_parser, add_train_parser,
-                            add_calibrate_parser, add_eval_parser]
+def add_profile_parser(subparsers) -> None:
+    parser = subparsers.add_parser("profile", help="measure the target's steps/s SPS(B) for B tokens per forward")
+    parser.add_argument("--target", default="default")
+    parser.add_argument("--max-tokens", type=_positive_int, default=16)
+    parser.add_argument("--context-tokens", type=_positive_int, default=256)
+    parser.set_defaults(handler=run_profile)
+
+
+def run_profile(args: argparse.Namespace) -> None:
+    from dspark.loading import load_target
+    from dspark.profiling import profile_path, sps_table
+
+    loaded = load_target(args.target)
+    table = sps_table(loaded, args.max_tokens, args.context_tokens, refresh=True)
+    for b, sps in enumerate(table.values, 1):
+        print(f"B={b:<4d} SPS={sps:8.2f}/s  step={1000 / sps:7.2f} ms  relative cost={table.values[0] / sps:.3f}",
+              file=sys.stderr)
+    print(json.dumps({"target": loaded.name, "path": str(profile_path(loaded, args.context_tokens)),
+                      "sps": list(table.values)}))
+
+
+COMMANDS: list[Callable] = [add_generate_parser, add_bench_parser, add_profile_parser, add_data_parser,
+                            add_train_parser, add_calibrate_parser, add_eval_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

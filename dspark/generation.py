@@ -5,7 +5,7 @@ decoding — so vanilla and speculative generation share one code path.
 """
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -90,10 +90,13 @@ def speculative_decode(
     block_size: int,
     eos_token_ids: frozenset[int] = frozenset(),
     stats: GenerationStats | None = None,
+    schedule: Callable[[Draft], int] | None = None,
 ) -> Iterator[list[int]]:
     """Yield the newly committed tokens of each round (the first chunk comes from the prefill).
 
     Stops after an EOS token (which is yielded, as HF `generate` returns it) or `max_new_tokens`.
+    `schedule(draft) -> l` decides from the draft's confidences how many drafts to verify (the
+    scheduler sees only this round's drafts and confidences, never the target's answer).
     """
     stats = stats if stats is not None else GenerationStats()
     stats.num_prompt_tokens = int(prompt_ids.shape[0])
@@ -113,6 +116,8 @@ def speculative_decode(
         budget = min(block_size, max_new_tokens - stats.num_generated - 1)
         draft = drafter.propose(state, context, budget, sampling, generator) if budget > 0 else Draft.empty()
         draft = draft.truncate(budget)
+        if schedule is not None and len(draft) and draft.confidence is not None:
+            draft = draft.truncate(schedule(draft))
         drafted = time.perf_counter()
 
         cached = target.length  # == len(context) - 1: everything before the anchor

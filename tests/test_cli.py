@@ -31,6 +31,7 @@ def run_cli(capsys, *argv):
     (["generate", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["generate", "hi", "--target", "/nonexistent/model"], "target path not found"),
     (["generate", "hi", "--target", "/nonexistent/model.gguf"], "GGUF file not found"),
+    (["generate", "hi", "--scheduler", "sometimes"], "unknown scheduler"),
 ])
 def test_bad_generate_arguments(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)

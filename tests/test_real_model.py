@@ -77,3 +77,20 @@ def test_converted_cache_reloads_fast(default_target):
     start = time.perf_counter()
     load_target("default")
     assert time.perf_counter() - start < 10.0  # the GGUF conversion (~20 s) happens once only
+
+
+def test_shipped_drafter_is_lossless_and_calibrated(default_target):
+    """The default drafter: a real DSpark checkpoint (fp16, no embeddings) with STS temperatures."""
+    from dspark.drafters import SHIPPED_DRAFTER, load_drafter
+    from dspark.drafters.dspark import DSparkDrafter
+
+    drafter = load_drafter("default", default_target.model)
+    assert isinstance(drafter, DSparkDrafter)
+    assert drafter.config.calibration_temperatures and len(drafter.config.calibration_temperatures) == 7
+    assert (SHIPPED_DRAFTER / "model.safetensors").stat().st_size < 40e6
+    for prompt in prompts()[:2]:
+        ids = prompt_ids(default_target, prompt)
+        reference = hf_reference(default_target, ids, 48)
+        result = generate(prompt, target=default_target, drafter=drafter, max_new_tokens=48)
+        assert result.token_ids == reference
+        assert result.stats.position_attempts[0] > 0
