@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.api import effective_block_size, eos_token_ids, prompt_ids
+from dspark.api import effective_block_size, eos_token_ids, make_schedule, prompt_ids
 from dspark.drafters import load_drafter
 from dspark.eval.datasets import load_prompts
 from dspark.generation import GenerationStats, speculative_decode
@@ -58,13 +58,14 @@ def hf_generate(loaded: LoadedTarget, ids: torch.Tensor, max_new_tokens: int, **
     return output[0, ids.shape[0]:].tolist()
 
 
-def ours(loaded: LoadedTarget, drafter, ids: torch.Tensor, max_new_tokens: int, block_size: int):
+def ours(loaded: LoadedTarget, drafter, ids: torch.Tensor, max_new_tokens: int, block_size: int,
+         scheduler: str = "fixed"):
     stats = GenerationStats()
     target = Target(loaded.model, drafter.target_layer_ids)
     block_size = effective_block_size(drafter, block_size)
     chunks = speculative_decode(target, drafter, ids, max_new_tokens=max_new_tokens, sampling=SamplingParams(),
                                 generator=None, block_size=block_size, eos_token_ids=eos_token_ids(loaded),
-                                stats=stats)
+                                stats=stats, schedule=make_schedule(scheduler, loaded, drafter, block_size))
     tokens = [token for chunk in chunks for token in chunk]
     return tokens, stats
 
@@ -82,6 +83,9 @@ def run_speed_bench(args: argparse.Namespace) -> dict:
     }
     for name, drafter in drafters.items():
         methods[name] = lambda ids, d=drafter: ours(loaded, d, ids, args.max_new_tokens, args.block_size)
+        if args.scheduler != "fixed" and getattr(getattr(drafter, "config", None), "enable_confidence_head", False):
+            methods[f"{name}+{args.scheduler}"] = lambda ids, d=drafter: ours(
+                loaded, d, ids, args.max_new_tokens, args.block_size, args.scheduler)
 
     warm = prompt_ids(loaded, "Hello")
     for run in methods.values():
@@ -112,6 +116,7 @@ def run_speed_bench(args: argparse.Namespace) -> dict:
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "block_size": args.block_size,
+        "scheduler": args.scheduler,
         "torch_threads": torch.get_num_threads(),
         "methods": {
             name: {

@@ -77,6 +77,8 @@ def add_bench_parser(subparsers) -> None:
     speed.add_argument("--max-new-tokens", type=_positive_int, default=128)
     speed.add_argument("--block-size", type=_positive_int, default=None)
     speed.add_argument("--prompt-lookup-num-tokens", type=_positive_int, default=10)
+    speed.add_argument("--scheduler", default="fixed",
+                       help="also run drafters that have confidences with this scheduler (e.g. dspark)")
     speed.add_argument("--json", action="store_true")
     speed.set_defaults(handler=run_bench_speed)
     draft = bench.add_parser("draft", help="DSpark draft time per round vs one target verification forward")
