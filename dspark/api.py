@@ -130,13 +130,14 @@ def stream(
     chat: bool = True,
     stop: list[str] | None = None,
     block_size: int | None = None,
-    scheduler: str = "fixed",
+    scheduler: str = "dspark",
 ) -> TextStream:
     """Generate with speculative decoding, yielding text as it is committed.
 
-    `scheduler` picks how many of each round's drafts are verified: "fixed" (all), "fixed-<n>",
-    "threshold-<t>" (prefix with survival a_k >= t) or "dspark" (paper Algorithm 1 on the drafter's
-    confidences and the target's profiled step rate). Drafters without confidences always use fixed.
+    `scheduler` picks how many of each round's drafts are verified: "dspark" (default: paper
+    Algorithm 1 on the drafter's calibrated confidences and the target's step rate, profiled once and
+    cached), "fixed" (all), "fixed-<n>" or "threshold-<t>" (prefix with survival a_k >= t).
+    Drafters without confidences (n-gram, EAGLE-3, MTP, draft LM) always verify every draft.
     """
     sampling = SamplingParams(temperature, top_k, top_p)
     _validate(max_new_tokens, block_size)
@@ -155,7 +156,8 @@ def stream(
 def make_schedule(name: str, loaded: LoadedTarget, drafter: Drafter, block_size: int) -> Callable | None:
     """A per-request `schedule(draft) -> l` for the single-request loop, or None for fixed γ."""
     scheduler = get_scheduler(name)
-    if name == "fixed" or block_size == 0:
+    has_confidence = getattr(getattr(drafter, "config", None), "enable_confidence_head", False)
+    if name == "fixed" or block_size == 0 or not has_confidence:
         return None
     sps = None
     if name.startswith("dspark"):

@@ -36,8 +36,9 @@ def add_generate_parser(subparsers) -> None:
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
     parser.add_argument("--json", action="store_true", help="print one JSON line with text, ids and stats last")
-    parser.add_argument("--scheduler", default="fixed",
-                        help="drafts verified per round: fixed | fixed-<n> | threshold-<t> | dspark (Algorithm 1)")
+    parser.add_argument("--scheduler", default="dspark",
+                        help="drafts verified per round, for drafters with confidences: dspark (Algorithm 1, "
+                             "default) | fixed | fixed-<n> | threshold-<t>")
     parser.set_defaults(handler=run_generate)
 
 
