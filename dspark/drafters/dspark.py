@@ -21,7 +21,7 @@ from torch import nn
 
 from dspark.drafters.base import Draft, Drafter
 from dspark.drafters.heads import HEAD_TYPES, ConfidenceHead, build_sequential_head, sequential_logits
-from dspark.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin
+from dspark.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin, target_layer_shape
 from dspark.sampling import SamplingParams, probabilities, sample
 
 
@@ -115,16 +115,8 @@ class DSparkConfig:
         overridden. The default mask token is the last vocabulary id: pass an unused id if the
         tokenizer has one."""
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        heads = int(text.num_attention_heads)
-        rope = getattr(text, "rope_parameters", None) or {}
         values = dict(
-            hidden_size=int(text.hidden_size),
-            intermediate_size=int(text.intermediate_size),
-            num_attention_heads=heads,
-            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
-            rms_norm_eps=float(getattr(text, "rms_norm_eps", None) or 1e-6),
-            rope_theta=float(rope.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0),
+            **target_layer_shape(text),
             vocab_size=int(text.vocab_size),
             num_target_layers=int(text.num_hidden_layers),
             mask_token_id=int(text.vocab_size) - 1,

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dspark.drafters.base import Draft, Drafter
-from dspark.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin
+from dspark.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin, target_layer_shape
 from dspark.errors import DrafterLoadError
 from dspark.sampling import SamplingParams, probabilities, sample
 from dspark.target import Target
@@ -82,17 +82,9 @@ class DraftLayerConfig:
     def for_target(cls, target: Any, **overrides: Any) -> "DraftLayerConfig":
         """A config with the target's layer shape; any field can be overridden."""
         _, lm_head, text = target_parts(target)
-        heads = int(text.num_attention_heads)
-        rope = getattr(text, "rope_parameters", None) or {}
         values = dict(
-            hidden_size=int(text.hidden_size),
-            intermediate_size=int(text.intermediate_size),
-            num_attention_heads=heads,
-            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+            **target_layer_shape(text),
             vocab_size=int(lm_head.weight.shape[0]),
-            rms_norm_eps=float(getattr(text, "rms_norm_eps", None) or 1e-6),
-            rope_theta=float(rope.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0),
             target_layer_ids=cls.default_layer_ids(int(text.num_hidden_layers)),
         )
         values.update(overrides)

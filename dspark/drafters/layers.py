@@ -1,4 +1,6 @@
-"""Llama/Qwen building blocks shared by the drafters: RMSNorm, RoPE, SwiGLU MLP."""
+"""Llama/Qwen building blocks shared by the drafters: RMSNorm, RoPE, SwiGLU MLP, target layer shape."""
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,3 +51,18 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def target_layer_shape(text_config: Any) -> dict:
+    """Layer shape of a target's (text) config, so a drafter layer matches the target's width."""
+    heads = int(text_config.num_attention_heads)
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    return dict(
+        hidden_size=int(text_config.hidden_size),
+        intermediate_size=int(text_config.intermediate_size),
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(text_config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads),
+        rms_norm_eps=float(getattr(text_config, "rms_norm_eps", None) or 1e-6),
+        rope_theta=float(rope.get("rope_theta") or getattr(text_config, "rope_theta", None) or 10000.0),
+    )
