@@ -29,6 +29,7 @@ from dspark.eval.metrics import (
     tau,
 )
 from dspark.eval.rollout import DrafterWrapper, PromptRollout
+from dspark.scheduler import threshold_lengths
 
 #: benchmark (file stem, lower case, '_' read as '-') -> domain; any other dataset counts as chat.
 DOMAINS: dict[str, str] = {
@@ -56,8 +57,7 @@ def cut_at_threshold(draft: Draft, threshold: float) -> Draft:
     survival = draft.survival
     if survival is None:
         raise DsparkError("--threshold needs a drafter with a confidence head")
-    below = (survival < threshold).nonzero()
-    return draft if below.numel() == 0 else draft.truncate(int(below[0]))
+    return draft.truncate(threshold_lengths([survival.tolist()], threshold)[0])
 
 
 class ThresholdDrafter(DrafterWrapper):
