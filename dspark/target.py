@@ -61,11 +61,6 @@ class Target:
     def lm_head(self) -> torch.nn.Module:
         return self.model.get_output_embeddings()
 
-    @property
-    def final_norm(self) -> torch.nn.Module | None:
-        base = getattr(self.model, self.model.base_model_prefix, None)
-        return getattr(base, "norm", None) or getattr(base, "ln_f", None)
-
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.config)
         self.length = 0

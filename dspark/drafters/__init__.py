@@ -1,11 +1,11 @@
 """Drafter registry: `none`, `ngram`, `default` (the shipped checkpoint), or a checkpoint/model path."""
 
-import json
 from pathlib import Path
 
 import torch
 
 from dspark.drafters.base import Draft, Drafter, NoDrafter
+from dspark.drafters.files import read_config_json
 from dspark.drafters.ngram import NgramDrafter
 from dspark.errors import DrafterLoadError
 
@@ -52,14 +52,7 @@ def load_drafter(spec: str, target_model, *, ngram_max: int = 3, ngram_min: int 
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise DrafterLoadError(f"drafter must be none, ngram, default or a checkpoint directory; not found: {spec}")
-    config_file = path / "config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except FileNotFoundError as error:
-        raise DrafterLoadError(f"drafter directory {spec} has no config.json") from error
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise DrafterLoadError(f"drafter config {config_file} is not valid JSON: {error}") from error
-    kind = _checkpoint_kind(config)
+    kind = _checkpoint_kind(read_config_json(path))
     if kind in ("dspark", "dflash"):
         from dspark.drafters.checkpoint import load_dspark
 

@@ -15,11 +15,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
+from dspark.drafters.files import CONFIG_FILE, WEIGHTS_FILE, read_config_json
 from dspark.errors import DrafterLoadError
 
 ARCHITECTURE = "Qwen3DSparkModel"
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 EMBEDDING_KEYS = ("embed_tokens.weight", "lm_head.weight")
 FORMAT_VERSION = 1
@@ -110,16 +109,7 @@ def config_from_dict(data: dict, where: str = "config") -> DSparkConfig:
 
 
 def read_config(path: str | Path) -> DSparkConfig:
-    config_file = Path(path) / CONFIG_FILE
-    try:
-        data = json.loads(config_file.read_text())
-    except FileNotFoundError as error:
-        raise DrafterLoadError(f"no {CONFIG_FILE} in drafter directory {path}") from error
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise DrafterLoadError(f"{config_file} is not valid JSON: {error}") from error
-    if not isinstance(data, dict):
-        raise DrafterLoadError(f"{config_file} is not a JSON object")
-    return config_from_dict(data, str(config_file))
+    return config_from_dict(read_config_json(path), str(Path(path) / CONFIG_FILE))
 
 
 def save_pretrained(

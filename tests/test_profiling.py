@@ -1,0 +1,26 @@
+"""The target's SPS profile is measured once, written to the cache and then reused."""
+
+import pytest
+from conftest import tiny_model
+
+from dspark import profiling
+from dspark.loading import LoadedTarget
+
+
+def test_profile_is_measured_once_then_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    monkeypatch.setattr(profiling, "_TABLES", {})
+    loaded = LoadedTarget(tiny_model("llama"), None, "tiny", None)
+    table = profiling.sps_table(loaded, max_tokens=4, context_tokens=16)
+    assert table.max_tokens == 4 and all(a >= b for a, b in zip(table.values, table.values[1:], strict=False))
+    assert profiling.profile_path(loaded, 16).is_file()
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("profile measured again")
+
+    monkeypatch.setattr(profiling, "measure_sps", no_measuring)
+    assert profiling.sps_table(loaded, max_tokens=3, context_tokens=16) == table  # from memory
+    monkeypatch.setattr(profiling, "_TABLES", {})
+    assert profiling.sps_table(loaded, max_tokens=4, context_tokens=16) == table  # from the file
+    with pytest.raises(AssertionError, match="measured again"):
+        profiling.sps_table(loaded, max_tokens=8, context_tokens=16)  # a longer table must be measured
