@@ -1,18 +1,18 @@
 """Text-level entry points: `generate` and `stream`, with chat templates and stop strings."""
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from dspark.drafters import Drafter, load_drafter
+from dspark.engine import TargetBackend, make_backend
 from dspark.errors import DsparkError
 from dspark.generation import GenerationStats, speculative_decode
 from dspark.loading import LoadedTarget, load_target
 from dspark.sampling import SamplingParams, make_generator
-from dspark.scheduler import SchedulerState, get_scheduler
-from dspark.target import Target
+from dspark.scheduler import SPSTable, get_scheduler
 
 Messages = list[dict[str, str]]
 
@@ -147,33 +147,39 @@ def stream(
     block_size = effective_block_size(drafter, block_size)
     ids = prompt_ids(loaded, prompt, chat)
     handle = TextStream(iter(()))
-    schedule = make_schedule(scheduler, loaded, drafter, block_size)
     handle._deltas = _run(handle, loaded, drafter, ids, max_new_tokens, sampling, seed, stop or [], block_size,
-                          schedule)
+                          scheduler)
     return handle
 
 
-def make_schedule(name: str, loaded: LoadedTarget, drafter: Drafter, block_size: int) -> Callable | None:
-    """A per-request `schedule(draft) -> l` for the single-request loop, or None for fixed γ."""
-    scheduler = get_scheduler(name)
+def scheduler_for(name: str, loaded: LoadedTarget, drafter: Drafter, block_size: int,
+                  max_concurrency: int = 1) -> tuple[str, SPSTable | None]:
+    """(scheduler, SPS table) to run `drafter` with. Drafters without confidences verify every draft
+    unless a fixed γ is asked for; "dspark*" schedulers get the target's profiled step rates."""
+    get_scheduler(name)
     has_confidence = getattr(getattr(drafter, "config", None), "enable_confidence_head", False)
-    if name == "fixed" or block_size == 0 or not has_confidence:
-        return None
+    if block_size == 0 or (not has_confidence and not name.startswith("fixed") and name != "none"):
+        return "fixed", None
     sps = None
     if name.startswith("dspark"):
         from dspark.profiling import sps_table
 
-        sps = sps_table(loaded, block_size + 1)
-    state = SchedulerState()
-    return lambda draft: scheduler([draft.survival.tolist()], sps, state)[0]
+        sps = sps_table(loaded, max_concurrency * (block_size + 1))
+    return name, sps
+
+
+def single_request_target(loaded: LoadedTarget, drafter: Drafter) -> TargetBackend:
+    """An engine backend with one slot: the ragged forward for Llama-family targets, else HF's."""
+    return make_backend(loaded.model, drafter.target_layer_ids, max_slots=1)
 
 
 def _run(handle: TextStream, loaded: LoadedTarget, drafter: Drafter, ids: torch.Tensor, max_new_tokens: int,
          sampling: SamplingParams, seed: int | None, stop: list[str], block_size: int,
-         schedule: Callable | None = None) -> Iterator[str]:
+         scheduler: str = "fixed") -> Iterator[str]:
     tokenizer = loaded.tokenizer
     stats = GenerationStats()
-    target = Target(loaded.model, drafter.target_layer_ids)
+    target = single_request_target(loaded, drafter)
+    scheduler, sps = scheduler_for(scheduler, loaded, drafter, block_size)
     tokens: list[int] = []
     sent = 0
     holdback = max((len(s) for s in stop), default=1) - 1
@@ -181,7 +187,7 @@ def _run(handle: TextStream, loaded: LoadedTarget, drafter: Drafter, ids: torch.
     chunks = speculative_decode(
         target, drafter, ids, max_new_tokens=max_new_tokens, sampling=sampling,
         generator=make_generator(seed), block_size=block_size, eos_token_ids=eos_token_ids(loaded), stats=stats,
-        schedule=schedule,
+        scheduler=scheduler, sps=sps,
     )
     text = ""
     for chunk in chunks:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.api import effective_block_size, eos_token_ids, make_schedule, prompt_ids
+from dspark.api import effective_block_size, eos_token_ids, prompt_ids, scheduler_for, single_request_target
 from dspark.drafters import load_drafter
 from dspark.eval.datasets import load_prompts
 from dspark.generation import GenerationStats, speculative_decode
@@ -61,11 +61,11 @@ def hf_generate(loaded: LoadedTarget, ids: torch.Tensor, max_new_tokens: int, **
 def ours(loaded: LoadedTarget, drafter, ids: torch.Tensor, max_new_tokens: int, block_size: int,
          scheduler: str = "fixed"):
     stats = GenerationStats()
-    target = Target(loaded.model, drafter.target_layer_ids)
     block_size = effective_block_size(drafter, block_size)
-    chunks = speculative_decode(target, drafter, ids, max_new_tokens=max_new_tokens, sampling=SamplingParams(),
-                                generator=None, block_size=block_size, eos_token_ids=eos_token_ids(loaded),
-                                stats=stats, schedule=make_schedule(scheduler, loaded, drafter, block_size))
+    scheduler, sps = scheduler_for(scheduler, loaded, drafter, block_size)
+    chunks = speculative_decode(single_request_target(loaded, drafter), drafter, ids, max_new_tokens=max_new_tokens,
+                                sampling=SamplingParams(), generator=None, block_size=block_size,
+                                eos_token_ids=eos_token_ids(loaded), stats=stats, scheduler=scheduler, sps=sps)
     tokens = [token for chunk in chunks for token in chunk]
     return tokens, stats
 

@@ -96,3 +96,56 @@ class Target:
         if length < self.length:
             self.cache.crop(length - self.length)  # negative = number of positions to drop
             self.length = length
+
+
+class TargetSlots:
+    """Slots over batch-1 targets (the HF adapter, or any object with `extend` / `rollback` /
+    `length`): a forward runs its segments one after another. The fallback for architectures the
+    ragged forward does not cover, and the path for custom targets."""
+
+    def __init__(self, targets: list) -> None:
+        if not targets:
+            raise ValueError("TargetSlots needs at least one target")
+        self.targets = list(targets)
+        self.layer_ids = tuple(getattr(targets[0], "layer_ids", ()))
+        self.max_slots = len(self.targets)
+        self.free = list(range(self.max_slots))[::-1]
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, layer_ids: tuple[int, ...] = (), max_slots: int = 1) -> "TargetSlots":
+        return cls([Target(model, layer_ids) for _ in range(max_slots)])
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise RuntimeError(f"all {self.max_slots} slots are in use")
+        slot = self.free.pop()
+        target = self.targets[slot]
+        if hasattr(target, "reset"):
+            target.reset()
+        else:
+            target.rollback(0)
+        return slot
+
+    def release(self, slot: int) -> None:
+        target = self.targets[slot]
+        if getattr(target, "cache", None) is not None:
+            target.cache = None  # free the KV memory now, not at the next allocate
+            target.length = 0
+        if slot not in self.free:
+            self.free.append(slot)
+
+    def length(self, slot: int) -> int:
+        return self.targets[slot].length
+
+    def rollback(self, slot: int, length: int) -> None:
+        self.targets[slot].rollback(length)
+
+    def forward(self, segments) -> list[TargetOutput]:
+        outputs = []
+        for segment in segments:
+            output = self.targets[segment.slot].extend(segment.token_ids, last_logits_only=segment.logits != "all")
+            if segment.logits != "all":
+                output = TargetOutput(output.logits[-1:] if segment.logits == "last" else output.logits[:0],
+                                      output.hidden)
+            outputs.append(output)
+        return outputs

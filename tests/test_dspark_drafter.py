@@ -86,14 +86,24 @@ def test_train_serve_parity(target, head_type):
     torch.testing.assert_close(perturbed.logits, out.logits[:, :1])
 
     for (b, j), (state, draft) in drafts.items():
-        hidden, base_logits = model.draft_block(state.cache, ids[b, anchors[b, j]])
-        torch.testing.assert_close(hidden, out.hidden[b, j], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(base_logits, out.base_logits[b, j], atol=1e-5, rtol=1e-5)
+        hidden, base_logits = model.draft_blocks([state.cache], ids[b, anchors[b, j]][None])
+        torch.testing.assert_close(hidden[0], out.hidden[b, j], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(base_logits[0], out.base_logits[b, j], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(draft.q, out.logits[b, j].softmax(-1), atol=1e-6, rtol=1e-5)
         if head_type is None:
             torch.testing.assert_close(out.logits, out.base_logits)
         confidence = model.confidence(out.confidence_logits[b, j])
         torch.testing.assert_close(draft.confidence, confidence, atol=1e-6, rtol=1e-5)
+
+
+    # every block at once, contexts of different lengths padded and masked: the same blocks
+    keys = list(drafts)
+    hidden, base_logits = model.draft_blocks([drafts[key][0].cache for key in keys],
+                                             torch.stack([ids[b, anchors[b, j]] for b, j in keys]))
+    assert len({drafts[key][0].cache.length for key in keys}) > 1
+    for row, (b, j) in enumerate(keys):
+        torch.testing.assert_close(hidden[row], out.hidden[b, j], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(base_logits[row], out.base_logits[b, j], atol=1e-5, rtol=1e-5)
 
     # default teacher forcing reads the previous tokens from the sequence itself
     b, j, a = 0, 2, int(anchors[0, 2])
@@ -128,8 +138,8 @@ def test_context_cache_grows_incrementally(target):
     assert state.cache.length == position == 74
     fresh = drafter.start(ids[0, :position], feats[:position])
 
-    incremental = model.draft_block(state.cache, ids[0, position])
-    recomputed = model.draft_block(fresh.cache, ids[0, position])
+    incremental = model.draft_blocks([state.cache], ids[0, position][None])
+    recomputed = model.draft_blocks([fresh.cache], ids[0, position][None])
     for a, b in zip(incremental, recomputed, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     greedy = SamplingParams()

@@ -55,14 +55,14 @@ def exact_marginals(model, params: SamplingParams) -> list[torch.Tensor]:
     return [first, joint_ab.sum(0), (joint_ab[..., None] * third_given).sum((0, 1))]
 
 
-def sample_first_tokens(model, drafter, params, num_samples, block_size, seed=0, schedule=None) -> torch.Tensor:
+def sample_first_tokens(model, drafter, params, num_samples, block_size, seed=0, scheduler="fixed") -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     target = Target(model, drafter.target_layer_ids)
     outputs = torch.empty(num_samples, 3, dtype=torch.long)
     for i in range(num_samples):
         tokens: list[int] = []
         chunks = speculative_decode(target, drafter, PROMPT, max_new_tokens=block_size + 2, sampling=params,
-                                    generator=generator, block_size=block_size, schedule=schedule)
+                                    generator=generator, block_size=block_size, scheduler=scheduler)
         for chunk in chunks:  # the first round verifies a full block; stop once 3 tokens are out
             tokens.extend(chunk)
             if len(tokens) >= 3:
@@ -77,12 +77,12 @@ def test_greedy_equals_hf(small_target, block_size, threshold):
     from dspark.scheduler import threshold_lengths
 
     drafter = dspark_drafter(small_target, block_size, "vanilla")
-    schedule = None if threshold is None else (lambda draft: threshold_lengths([draft.survival.tolist()], threshold)[0])
+    scheduler = "fixed" if threshold is None else (lambda survival, sps, state: threshold_lengths(survival, threshold))
     with torch.inference_mode():
         reference = small_target.generate(PROMPT[None], attention_mask=torch.ones_like(PROMPT[None]),
                                           max_new_tokens=30, do_sample=False)[0, PROMPT.shape[0]:].tolist()
     chunks = speculative_decode(Target(small_target, drafter.target_layer_ids), drafter, PROMPT, max_new_tokens=30,
-                                sampling=SamplingParams(), generator=None, block_size=block_size, schedule=schedule)
+                                sampling=SamplingParams(), generator=None, block_size=block_size, scheduler=scheduler)
     assert [t for c in chunks for t in c] == reference
 
 
@@ -165,12 +165,12 @@ def test_scheduled_verification_stays_lossless(small_target):
     sps = SPSTable(tuple(1.0 / (1.0 + 0.1 * b) for b in range(16)))
     lengths: list[int] = []
 
-    def schedule(draft) -> int:
-        lengths.append(dspark_lengths([draft.survival.tolist()], sps)[0])
-        return lengths[-1]
+    def scheduler(survival, sps_curve, state) -> list[int]:
+        lengths.extend(dspark_lengths(survival, sps))
+        return lengths[-1:]
 
     params = SamplingParams(temperature=1.0)
-    outputs = sample_first_tokens(small_target, drafter, params, 4000, 7, schedule=schedule)
+    outputs = sample_first_tokens(small_target, drafter, params, 4000, 7, scheduler=scheduler)
     assert len(set(lengths)) >= 2  # the scheduler really varied the verified length, draft by draft
     marginals = exact_marginals(small_target, params)
     pvalues = [chi_square_pvalue(outputs[:, j], marginals[j]) for j in range(3)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from stats_helpers import MarkovDrafter, position_pvalues, random_tables
 
-from dspark import generation
+from dspark import engine
 from dspark.drafters.ngram import NgramDrafter
 from dspark.sampling import SamplingParams
 from dspark.verify import Verdict
@@ -40,7 +40,7 @@ def always_accept(draft_tokens, q, target_logits, params, generator):
 
 
 def test_negative_control_always_accept_fails(monkeypatch):
-    monkeypatch.setattr(generation, "verify", always_accept)
+    monkeypatch.setattr(engine, "verify", always_accept)
     target_table, draft_table = random_tables(VOCAB, seed=0)
     pvalues = position_pvalues(target_table, MarkovDrafter(draft_table), SamplingParams(temperature=1.0),
                                NUM_SAMPLES, block_size=3)

@@ -78,6 +78,17 @@ class Drafter(ABC):
         exactly the distributions they sampled from.
         """
 
+    def propose_batch(
+        self,
+        states: list[Any],
+        contexts: list[torch.Tensor],
+        num_tokens: list[int],
+        samplings: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> list[Draft]:
+        """Drafts for several requests at once; drafters that can batch their forward override this."""
+        return [self.propose(*args) for args in zip(states, contexts, num_tokens, samplings, generators, strict=True)]
+
     def commit(self, state: Any, committed_hidden: torch.Tensor | None) -> None:
         """Target features (n, D) of the positions that just entered the target cache."""
 

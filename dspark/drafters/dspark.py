@@ -398,14 +398,33 @@ class DSparkModel(nn.Module):
         cos, sin = self._rope(positions[None])
         cache.append([layer.self_attn.kv(context, cos, sin) for layer in self.layers])
 
-    def draft_block(self, cache: ContextCache, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden (γ, D) and base logits (γ, V) of the block after `anchor`, which sits at position
-        cache.length (the cache covers everything before it)."""
-        x = self._block_input(anchor.reshape(1).to(self.device))
-        positions = cache.length + torch.arange(self.config.block_size, device=self.device)
-        context_kvs = [cache.layer(i) for i in range(len(self.layers))]
-        hidden, base_logits = self._backbone(x, positions[None], context_kvs, None)
-        return hidden[0], base_logits[0]
+    def draft_blocks(self, caches: list[ContextCache], anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden (R, γ, D) and base logits (R, γ, V) of the blocks after each request's anchor
+        (anchors (R,)), each at position cache.length of its own cache. Several requests run as one
+        batch: their contexts are padded to the longest and masked."""
+        gamma = self.config.block_size
+        x = self._block_input(anchors.to(self.device))
+        lengths = torch.tensor([cache.length for cache in caches], device=self.device)
+        positions = lengths[:, None] + torch.arange(gamma, device=self.device)
+        if len(caches) == 1:
+            context_kvs, mask = [caches[0].layer(i) for i in range(len(self.layers))], None
+        else:
+            context_kvs = [_padded_layer(caches, i) for i in range(len(self.layers))]
+            sees_context = torch.arange(int(lengths.max()), device=self.device) < lengths[:, None]
+            mask = torch.cat([sees_context, sees_context.new_ones(len(caches), gamma)], -1)[:, None, None]
+        return self._backbone(x, positions, context_kvs, mask)
+
+
+def _padded_layer(caches: list[ContextCache], index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft layer's context K/V of several requests, zero-padded to the longest: (R, H, L, hd)."""
+    longest = max(cache.length for cache in caches)
+    first_k, first_v = caches[0].keys[index], caches[0].values[index]
+    keys = first_k.new_zeros(len(caches), first_k.shape[1], longest, first_k.shape[3])
+    values = first_v.new_zeros(len(caches), first_v.shape[1], longest, first_v.shape[3])
+    for row, cache in enumerate(caches):
+        keys[row, :, : cache.length] = cache.keys[index][0, :, : cache.length]
+        values[row, :, : cache.length] = cache.values[index][0, :, : cache.length]
+    return keys, values
 
 
 @dataclass
@@ -447,7 +466,6 @@ class DSparkDrafter(Drafter):
         if committed_hidden.shape[0]:
             self.model.extend_context(state.cache, committed_hidden)
 
-    @torch.inference_mode()
     def propose(
         self,
         state: DSparkState,
@@ -456,36 +474,50 @@ class DSparkDrafter(Drafter):
         sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> Draft:
+        return self.propose_batch([state], [context], [num_tokens], [sampling], [generator])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, states, contexts, num_tokens, samplings, generators) -> list[Draft]:
+        """One batched drafter forward for every request, then the sequential head step by step for
+        all of them (one (R, r) × (r, V) product per step instead of R); each request samples with its
+        own parameters and generator."""
         model = self.model
-        num_tokens = min(num_tokens, self.config.block_size)
-        if num_tokens <= 0:
-            return Draft.empty(model.device)
-        if state.cache.length != context.shape[0] - 1:
-            raise RuntimeError(
-                f"draft cache holds {state.cache.length} positions but the context before the anchor has "
-                f"{context.shape[0] - 1}: commit the features of every position that entered the target cache"
-            )
-        anchor = context[-1].to(model.device)
-        hidden, base_logits = model.draft_block(state.cache, anchor)  # always the full block, as trained
+        counts = [min(n, self.config.block_size) for n in num_tokens]
+        live = [i for i, n in enumerate(counts) if n > 0]
+        drafts = [Draft.empty(model.device) for _ in states]
+        if not live:
+            return drafts
+        for i in live:
+            if states[i].cache.length != contexts[i].shape[0] - 1:
+                raise RuntimeError(
+                    f"draft cache holds {states[i].cache.length} positions but the context before the anchor has "
+                    f"{contexts[i].shape[0] - 1}: commit the features of every position that entered the target cache"
+                )
+        anchors = torch.stack([contexts[i][-1] for i in live]).to(model.device)
+        hidden, base_logits = model.draft_blocks([states[i].cache for i in live], anchors)  # full blocks, as trained
 
         head = model.markov_head
-        head_state = None if head is None else head.initial_state(hidden[0])
-        prev, tokens, q = anchor, [], []
-        for k in range(num_tokens):
-            logits = base_logits[k]
+        head_state = None if head is None else head.initial_state(hidden[:, 0])
+        prev, tokens, q = anchors, [], [[] for _ in live]
+        for k in range(max(counts[i] for i in live)):
+            logits = base_logits[:, k]
             if head is not None:
-                bias, head_state = head.step(head_state, prev, hidden[k])
+                bias, head_state = head.step(head_state, prev, hidden[:, k])
                 logits = logits + bias
-            if sampling.greedy:  # greedy verification only compares tokens: no need to build one-hot q
-                prev = logits.argmax(-1)
-            else:
-                probs = probabilities(logits, sampling)
-                prev = sample(probs, generator)
-                q.append(probs)
+            prev = logits.argmax(-1)
+            for row, i in enumerate(live):
+                if not samplings[i].greedy and k < counts[i]:  # greedy verification compares tokens only
+                    probs = probabilities(logits[row], samplings[i])
+                    prev[row] = sample(probs, generators[i])
+                    q[row].append(probs)
             tokens.append(prev)
-        tokens = torch.stack(tokens)
+        tokens = torch.stack(tokens, 1)  # (R, max n)
 
-        prev_tokens = torch.cat([anchor[None], tokens[:-1]])
-        confidence_logits = model.confidence_logits(hidden[:num_tokens], prev_tokens)
+        prev_tokens = torch.cat([anchors[:, None], tokens[:, :-1]], 1)
+        confidence_logits = model.confidence_logits(hidden[:, : tokens.shape[1]], prev_tokens)
         confidence = None if confidence_logits is None else model.confidence(confidence_logits)
-        return Draft(tokens, torch.stack(q) if q else None, confidence)
+        for row, i in enumerate(live):
+            n = counts[i]
+            drafts[i] = Draft(tokens[row, :n], torch.stack(q[row]) if q[row] else None,
+                              None if confidence is None else confidence[row, :n])
+        return drafts

@@ -17,12 +17,11 @@ from typing import Any
 
 import torch
 
-from dspark.api import eos_token_ids, prompt_ids
+from dspark.api import eos_token_ids, prompt_ids, single_request_target
 from dspark.drafters.base import Draft, Drafter
 from dspark.generation import GenerationStats, speculative_decode
 from dspark.loading import LoadedTarget
 from dspark.sampling import SamplingParams, make_generator
-from dspark.target import Target
 
 
 @dataclass
@@ -157,7 +156,7 @@ def rollout_prompt(
     """Generate for one tokenised prompt and record every round."""
     stats = GenerationStats()
     recorder = RecordingDrafter(drafter, stats)
-    target = Target(loaded.model, drafter.target_layer_ids)
+    target = single_request_target(loaded, drafter)
     tokens: list[int] = []
     with recorder.capturing_raw_logits():
         for chunk in speculative_decode(

@@ -1,0 +1,329 @@
+"""Continuous batching: requests join and leave between rounds.
+
+A round, for every running request at once: draft → schedule (how many drafts each request sends)
+→ one ragged target forward (decode segments = anchor + ℓ_r drafts; prompt chunks of new requests
+ride along) → verify and commit per request (own sampling parameters and generator) → roll each
+slot back past its rejected drafts. With one request this is plain speculative decoding, and with
+no drafts it is plain decoding: every path of the library goes through here.
+"""
+
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from dspark.drafters.base import Draft, Drafter
+from dspark.errors import DsparkError
+from dspark.ragged import RaggedTarget, Segment, supports_ragged
+from dspark.sampling import SamplingParams, next_token
+from dspark.scheduler import Scheduler, SchedulerState, StepCurve, get_scheduler
+from dspark.stats import EngineStats, GenerationStats
+from dspark.target import TargetOutput, TargetSlots
+from dspark.verify import emitted_tokens, verify
+
+
+class TargetBackend(Protocol):
+    """What the engine needs of a target: slots with their own KV length, one forward over segments."""
+
+    layer_ids: tuple[int, ...]
+    max_slots: int
+
+    def allocate(self) -> int: ...
+    def release(self, slot: int) -> None: ...
+    def length(self, slot: int) -> int: ...
+    def rollback(self, slot: int, length: int) -> None: ...
+    def forward(self, segments: list[Segment]) -> list[TargetOutput]: ...
+
+
+def make_backend(model: Any, layer_ids: tuple[int, ...] = (), max_slots: int = 1,
+                 attention: str = "loop") -> TargetBackend:
+    """The ragged batched forward for Llama-family models, else HF's forward one request at a time."""
+    if supports_ragged(model):
+        return RaggedTarget(model, layer_ids, max_slots=max_slots, attention=attention)
+    return TargetSlots.for_model(model, layer_ids, max_slots=max_slots)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. The engine fills `output_ids`, `stats`, `finished` and `finish_reason`."""
+
+    prompt_ids: torch.Tensor
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    block_size: int | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    output_ids: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    finished: bool = False
+    finish_reason: str | None = None
+    # engine state
+    slot: int | None = field(default=None, repr=False)
+    context: torch.Tensor | None = field(default=None, repr=False)  # committed tokens; last = anchor
+    drafter_state: Any = field(default=None, repr=False)
+    prefilled: int = field(default=0, repr=False)
+    prompt_features: list = field(default_factory=list, repr=False)
+    started: float = field(default=0.0, repr=False)
+
+    @property
+    def decoding(self) -> bool:
+        return self.context is not None
+
+
+class Engine:
+    """Runs requests to completion in rounds; `step()` runs one round and returns the new tokens.
+
+    `scheduler`: a name for `get_scheduler` ("none" = plain decoding, "fixed", "fixed-<γ>",
+    "threshold[-t]", "dspark", "dspark-async") or a `Scheduler` function. The schedulers see the
+    drafts' survival a_k (all ones for drafters without confidences) and `sps`, the target's step
+    rate SPS(B), never the target's answer, so verification stays lossless.
+    """
+
+    def __init__(
+        self,
+        target: TargetBackend,
+        drafter: Drafter,
+        *,
+        block_size: int = 7,
+        scheduler: str | Scheduler = "fixed",
+        sps: StepCurve | None = None,
+        max_concurrency: int | None = None,
+        prefill_chunk: int = 512,
+        max_context: int | None = None,
+    ) -> None:
+        if scheduler == "none":
+            block_size = 0
+        self.schedule: Scheduler | None = None
+        if isinstance(scheduler, str):
+            self.schedule = None if scheduler in ("fixed", "none") else get_scheduler(scheduler)
+            if scheduler.startswith("dspark") and sps is None:
+                raise DsparkError(f"scheduler {scheduler!r} needs the target's SPS table (dspark profile)")
+        else:
+            self.schedule = scheduler
+        if max_concurrency is None:
+            max_concurrency = target.max_slots
+        if not 1 <= max_concurrency <= target.max_slots:
+            raise DsparkError(f"max_concurrency must be in [1, {target.max_slots}] (the target's slots), "
+                              f"got {max_concurrency}")
+        if prefill_chunk < 1:
+            raise DsparkError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.target = target
+        self.drafter = drafter
+        self.block_size = block_size
+        self.sps = sps
+        self.max_concurrency = max_concurrency
+        self.prefill_chunk = prefill_chunk
+        self.max_context = max_context
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.scheduler_state = SchedulerState()
+        self.stats = EngineStats()
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> Request:
+        if request.prompt_ids.ndim != 1 or not request.prompt_ids.shape[0]:
+            raise DsparkError("a request needs a non-empty 1-D tensor of prompt ids")
+        if request.max_new_tokens <= 0:
+            raise DsparkError(f"max_new_tokens must be > 0, got {request.max_new_tokens}")
+        total = int(request.prompt_ids.shape[0]) + request.max_new_tokens
+        if self.max_context is not None and total > self.max_context:
+            raise DsparkError(f"prompt ({request.prompt_ids.shape[0]} tokens) + max_new_tokens "
+                              f"({request.max_new_tokens}) exceeds the context window of {self.max_context}")
+        request.stats.num_prompt_tokens = int(request.prompt_ids.shape[0])
+        self.stats.num_prompt_tokens += request.stats.num_prompt_tokens
+        self.waiting.append(request)
+        return request
+
+    def abort(self, request: Request, reason: str = "abort") -> None:
+        """Stop a request now (client gone, stop string hit): its slot and draft cache are freed."""
+        if request.finished:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, reason)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one round ---------------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[Request, list[int]]]:
+        """One round for every running request; returns (request, newly committed tokens) pairs."""
+        self._admit()
+        if not self.running:
+            return []
+        start = time.perf_counter()
+        decoding = [r for r in self.running if r.decoding]
+        proposed = self._draft(decoding)
+        drafted = time.perf_counter()
+        drafts = self._scheduled(proposed)
+        scheduled = time.perf_counter()
+        chunks = self._prefill_chunks([r for r in self.running if not r.decoding])
+        segments = [Segment(r.slot, torch.cat([r.context[-1:], d.tokens.cpu()]))
+                    for r, d in zip(decoding, drafts, strict=True)]
+        segments += [Segment(r.slot, chunk, "last" if last else "none") for r, chunk, last in chunks]
+        outputs = self.target.forward(segments)
+
+        events = []
+        for request, draft, output in zip(decoding, drafts, outputs[: len(decoding)], strict=True):
+            events.append((request, self._commit_round(request, draft, output)))
+        for (request, chunk, last), output in zip(chunks, outputs[len(decoding):], strict=True):
+            tokens = self._commit_prefill(request, chunk, last, output)
+            if tokens:
+                events.append((request, tokens))
+        end = time.perf_counter()
+
+        self._account(decoding, drafts, start, drafted, scheduled, end)
+        self.stats.num_drafted += sum(len(d) for d in proposed)
+        self.stats.num_generated += sum(len(tokens) for _, tokens in events)
+        for request in [r for r in self.running if r.finished or self._done(r)]:
+            self._finish(request, request.finish_reason or "length")
+        return events
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_concurrency:
+            request = self.waiting.popleft()
+            request.slot = self.target.allocate()
+            request.started = time.perf_counter()
+            self.running.append(request)
+
+    def _budget(self, request: Request) -> int:
+        gamma = self.block_size if request.block_size is None else min(request.block_size, self.block_size)
+        return max(0, min(gamma, request.max_new_tokens - len(request.output_ids) - 1))
+
+    def _draft(self, requests: list[Request]) -> list[Draft]:
+        budgets = [self._budget(r) for r in requests]
+        active = [i for i, b in enumerate(budgets) if b > 0]
+        drafts = [Draft.empty() for _ in requests]
+        if active:
+            proposed = self.drafter.propose_batch(
+                [requests[i].drafter_state for i in active], [requests[i].context for i in active],
+                [budgets[i] for i in active], [requests[i].sampling for i in active],
+                [requests[i].generator for i in active],
+            )
+            for i, draft in zip(active, proposed, strict=True):
+                drafts[i] = draft.truncate(budgets[i])
+        return drafts
+
+    def _scheduled(self, drafts: list[Draft]) -> list[Draft]:
+        if self.schedule is None or not any(len(d) for d in drafts):
+            return drafts
+        survival = [d.survival.tolist() if d.survival is not None else [1.0] * len(d) for d in drafts]
+        lengths = self.schedule(survival, self.sps, self.scheduler_state)
+        return [d.truncate(n) for d, n in zip(drafts, lengths, strict=True)]
+
+    def _prefill_chunks(self, requests: list[Request]) -> list[tuple[Request, torch.Tensor, bool]]:
+        """Prompt chunks for this round, at most `prefill_chunk` tokens in all (first come first)."""
+        chunks, budget = [], self.prefill_chunk
+        for request in requests:
+            if budget <= 0:
+                break
+            prompt = request.prompt_ids
+            end = min(prompt.shape[0], request.prefilled + budget)
+            chunks.append((request, prompt[request.prefilled : end], end == prompt.shape[0]))
+            budget -= end - request.prefilled
+        return chunks
+
+    def _commit_prefill(self, request: Request, chunk: torch.Tensor, last: bool, output: TargetOutput) -> list[int]:
+        request.prefilled += int(chunk.shape[0])
+        if output.hidden is not None:
+            request.prompt_features.append(output.hidden)
+        if not last:
+            return []
+        features = torch.cat(request.prompt_features) if request.prompt_features else None
+        request.prompt_features = []
+        request.drafter_state = self.drafter.start(request.prompt_ids, features)
+        anchor = next_token(output.logits[-1], request.sampling, request.generator)
+        request.context = torch.cat([request.prompt_ids.cpu(), torch.tensor([anchor])])
+        request.stats.prefill_time = time.perf_counter() - request.started
+        return self._emit(request, [anchor])
+
+    def _commit_round(self, request: Request, draft: Draft, output: TargetOutput) -> list[int]:
+        tokens = draft.tokens.cpu()
+        verdict = verify(tokens, draft.q, output.logits, request.sampling, request.generator)
+        cached = request.context.shape[0] - 1  # everything before the anchor
+        self.target.rollback(request.slot, cached + 1 + verdict.num_accepted)
+        hidden = None if output.hidden is None else output.hidden[: 1 + verdict.num_accepted]
+        self.drafter.commit(request.drafter_state, hidden)
+        request.stats.record_round(len(draft), verdict.num_accepted)
+        new_tokens = self._emit(request, emitted_tokens(tokens, verdict))
+        request.context = torch.cat([request.context, torch.tensor(new_tokens)])
+        return new_tokens
+
+    def _emit(self, request: Request, tokens: list[int]) -> list[int]:
+        """Cut at the first EOS (kept, as HF does) and at max_new_tokens; mark the request done."""
+        for i, token in enumerate(tokens):
+            if token in request.eos_token_ids:
+                tokens = tokens[: i + 1]
+                request.finish_reason = "stop"
+                break
+        tokens = tokens[: request.max_new_tokens - len(request.output_ids)]
+        request.output_ids.extend(tokens)
+        request.stats.num_generated = len(request.output_ids)
+        if request.finish_reason is None and len(request.output_ids) >= request.max_new_tokens:
+            request.finish_reason = "length"
+        return tokens
+
+    def _done(self, request: Request) -> bool:
+        return request.finish_reason is not None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finished = True
+        request.finish_reason = reason
+        request.stats.finish_reason = reason
+        if request.started:
+            request.stats.total_time = time.perf_counter() - request.started
+        if request in self.running:
+            self.running.remove(request)
+            self.target.release(request.slot)
+            self.stats.num_requests_finished += 1
+        request.drafter_state = None
+        request.prompt_features = []
+
+    def _account(self, decoding, drafts, start, drafted, scheduled, end) -> None:
+        stats = self.stats
+        stats.num_rounds += 1
+        stats.round_time += end - start
+        stats.scheduler_time += scheduled - drafted
+        for request, draft in zip(decoding, drafts, strict=True):
+            request.stats.draft_time += scheduled - start
+            request.stats.verify_time += end - scheduled
+            request.stats.total_time = end - request.started
+            stats.num_verified += len(draft)
+            stats.num_accepted += request.stats.accepted_per_round[-1]
+        if decoding:
+            stats.decode_rounds += 1
+            stats.request_rounds += len(decoding)
+            stats.budget_sum += sum(len(d) for d in drafts) / len(decoding)
+        for request in self.running:
+            request.stats.total_time = end - request.started
+
+    # -- driving -----------------------------------------------------------------------------------
+
+    def run(self, requests: list[Request], on_round: Callable[[list], None] | None = None) -> list[Request]:
+        """Add every request and step until all are finished."""
+        for request in requests:
+            self.add(request)
+        while self.has_work:
+            events = self.step()
+            if on_round is not None:
+                on_round(events)
+        return requests
+
+    def stream(self, request: Request) -> Iterator[list[int]]:
+        """Add one request and yield its new tokens round by round (other requests keep running)."""
+        self.add(request)
+        try:
+            while not request.finished:
+                for owner, tokens in self.step():
+                    if owner is request and tokens:
+                        yield tokens
+        finally:
+            self.abort(request)

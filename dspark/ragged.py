@@ -1,0 +1,345 @@
+"""Ragged batched forward for Llama-family targets (Llama, Mistral, Qwen2, Qwen3, SmolLM).
+
+One forward runs many requests at once, each with its own cached length and its own number of new
+tokens (a decode round's anchor + ℓ_r drafts, or a chunk of a prompt). Tokens are flattened into one
+(N, D) batch for every matmul — where the cost is — and attention is done per request, either
+looping over requests with no padding (`attention="loop"`) or in one padded call with a mask
+(`attention="padded"`); `dspark bench ragged` measures which wins on a machine.
+
+The weights are the HF model's own tensors (q/k/v and gate/up are fused into one matmul each, with
+the HF parameters rebound as views of the fused tensors, so nothing is duplicated). The KV cache
+holds one slot per request with its own length, so rolling a request back is setting its length.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from dspark.errors import DsparkError
+from dspark.target import TargetOutput, hf_hidden_index
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+LOGITS_MODES = ("all", "last", "none")
+
+
+@dataclass
+class Segment:
+    """New tokens of one request for one forward; `logits`: which positions need logits."""
+
+    slot: int
+    token_ids: torch.Tensor
+    logits: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.logits not in LOGITS_MODES:
+            raise ValueError(f"logits must be one of {LOGITS_MODES}, got {self.logits!r}")
+        if self.token_ids.ndim != 1 or not self.token_ids.shape[0]:
+            raise ValueError("a segment needs a non-empty 1-D tensor of token ids")
+
+
+def supports_ragged(model: PreTrainedModel) -> bool:
+    """Whether `RaggedTarget` can run this model (else the engine loops the HF adapter)."""
+    config = model.config
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return False
+    if getattr(config, "use_sliding_window", False) and getattr(config, "max_window_layers", 0):
+        return False
+    inner = getattr(model, "model", None)
+    return inner is not None and hasattr(inner, "layers") and hasattr(inner, "rotary_emb")
+
+
+class SlotCache:
+    """K/V per layer as (slots, kv_heads, capacity, head_dim); each slot has its own length.
+    Capacity grows by doubling for all slots at once (one copy, amortised)."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, capacity: int = 256) -> None:
+        shape = (num_slots, num_kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = [0] * num_slots
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def reserve(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        capacity = max(length, 2 * self.capacity)
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+                new[:, :, : old.shape[2]] = old
+                buffers[i] = new
+
+
+class RaggedTarget:
+    """Slots of requests over one Llama-family model: `allocate` a slot, `forward` segments of any
+    number of slots at once, `rollback` a slot, `release` it."""
+
+    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int] = (), max_slots: int = 8,
+                 attention: str = "loop") -> None:
+        if not supports_ragged(model):
+            raise DsparkError(f"ragged batching supports {sorted(SUPPORTED_MODEL_TYPES)} models, "
+                              f"not {getattr(model.config, 'model_type', type(model).__name__)}")
+        if attention not in ("loop", "padded"):
+            raise DsparkError(f"attention must be 'loop' or 'padded', got {attention!r}")
+        self.model = model.eval()
+        self.config = config = model.config
+        self.layer_ids = tuple(layer_ids)
+        self.attention = attention
+        self.num_layers = int(config.num_hidden_layers)
+        for layer_id in self.layer_ids:
+            if not -1 <= layer_id < self.num_layers:
+                raise ValueError(f"target layer id {layer_id} outside [-1, {self.num_layers - 1}]")
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        is_mistral = getattr(config, "model_type", "") == "mistral"
+        self.window = getattr(config, "sliding_window", None) if is_mistral else None
+        self.layers = [_fuse(layer, self.num_heads, self.num_kv_heads, self.head_dim) for layer in model.model.layers]
+        self.max_slots = max_slots
+        dtype = model.model.embed_tokens.weight.dtype
+        self.cache = SlotCache(self.num_layers, max_slots, self.num_kv_heads, self.head_dim, dtype, self.device)
+        self.free = list(range(max_slots))[::-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    # -- slots -------------------------------------------------------------------------------------
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise DsparkError(f"all {self.max_slots} slots are in use")
+        slot = self.free.pop()
+        self.cache.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.cache.lengths[slot] = 0
+        if slot not in self.free:
+            self.free.append(slot)
+
+    def length(self, slot: int) -> int:
+        return self.cache.lengths[slot]
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Keep the first `length` cached positions of `slot` (drop rejected drafts)."""
+        if not 0 <= length <= self.cache.lengths[slot]:
+            raise ValueError(f"cannot roll back slot {slot} to {length}: it holds {self.cache.lengths[slot]}")
+        self.cache.lengths[slot] = length
+
+    # -- forward -----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, segments: Sequence[Segment]) -> list[TargetOutput]:
+        """Run every segment after its slot's cache; returns, per segment, logits of the requested
+        positions and the concatenated hidden states of `layer_ids` at every new position."""
+        if len({s.slot for s in segments}) != len(segments):
+            raise ValueError("one segment per slot and forward")
+        starts = [self.cache.lengths[s.slot] for s in segments]
+        sizes = [int(s.token_ids.shape[0]) for s in segments]
+        ends = [a + n for a, n in zip(starts, sizes, strict=True)]
+        if self.window and max(ends) > self.window:
+            raise DsparkError(f"context of {max(ends)} tokens exceeds the sliding window {self.window}")
+        self.cache.reserve(max(ends))
+        device = self.device
+        tokens = torch.cat([s.token_ids.to(device) for s in segments])
+        positions = torch.cat([torch.arange(a, e, device=device) for a, e in zip(starts, ends, strict=True)])
+
+        inner = self.model.model
+        x = inner.embed_tokens(tokens)
+        cos, sin = inner.rotary_emb(x, positions[None])
+        cos, sin = cos[0][:, None], sin[0][:, None]  # (N, 1, hd): broadcast over heads
+        features = {-1: x} if -1 in self.layer_ids else {}
+        plan = _AttentionPlan(segments, starts, sizes, device)
+        for index, layer in enumerate(self.layers):
+            x = x + self._attention(layer, index, x, cos, sin, plan)
+            h = layer.post_norm(x)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+            if index in self.layer_ids:
+                features[index] = x
+        for slot, end in zip(plan.slots, ends, strict=True):
+            self.cache.lengths[slot] = end
+
+        hidden = None
+        if self.layer_ids:
+            if self.num_layers - 1 in features and hf_hidden_index(self.num_layers - 1) == self.num_layers:
+                features[self.num_layers - 1] = inner.norm(features[self.num_layers - 1])  # as HF reports it
+            hidden = torch.cat([features[i] for i in self.layer_ids], -1)
+        return self._outputs(segments, plan.offsets, sizes, inner.norm(x), hidden)
+
+    def _attention(self, layer: "_FusedLayer", index: int, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, plan: "_AttentionPlan") -> torch.Tensor:
+        h = layer.input_norm(x)
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        keys, values = self.cache.keys[index], self.cache.values[index]
+        for slot, start, size, offset in plan.rows():
+            keys[slot, :, start : start + size] = k[offset : offset + size].transpose(0, 1)
+            values[slot, :, start : start + size] = v[offset : offset + size].transpose(0, 1)
+        gqa = self.num_heads != self.num_kv_heads
+        if self.attention == "padded" and len(plan.slots) > 1:
+            out = plan.padded_attention(q, keys, values, gqa)
+        else:
+            out = torch.cat([
+                F.scaled_dot_product_attention(
+                    q[offset : offset + size].transpose(0, 1)[None], keys[slot : slot + 1, :, : start + size],
+                    values[slot : slot + 1, :, : start + size], attn_mask=plan.causal_mask(start, size),
+                    enable_gqa=gqa,
+                )[0].transpose(0, 1)
+                for slot, start, size, offset in plan.rows()
+            ])
+        return F.linear(out.reshape(out.shape[0], -1), layer.o_proj)
+
+    def _outputs(self, segments, offsets, sizes, normed, hidden) -> list[TargetOutput]:
+        rows = []
+        for segment, offset, size in zip(segments, offsets, sizes, strict=True):
+            if segment.logits == "all":
+                rows.append(torch.arange(offset, offset + size))
+            elif segment.logits == "last":
+                rows.append(torch.tensor([offset + size - 1]))
+            else:
+                rows.append(torch.empty(0, dtype=torch.long))
+        picked = torch.cat(rows).to(normed.device)
+        lm_head = self.model.get_output_embeddings()
+        logits = lm_head(normed[picked]).float() if picked.numel() else normed.new_empty(0, self.vocab_size)
+        outputs, cursor = [], 0
+        for row, offset, size in zip(rows, offsets, sizes, strict=True):
+            count = int(row.numel())
+            outputs.append(TargetOutput(
+                logits[cursor : cursor + count],
+                None if hidden is None else hidden[offset : offset + size],
+            ))
+            cursor += count
+        return outputs
+
+
+@dataclass
+class _FusedLayer:
+    input_norm: torch.nn.Module
+    post_norm: torch.nn.Module
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
+
+
+def _fuse(layer: torch.nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> _FusedLayer:
+    """One matmul for q/k/v and one for gate/up. The HF parameters become views of the fused
+    tensors, so the model still runs through HF (training features, fallbacks) and memory is shared."""
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+    qkv = _fused_parameter(projections, "weight")
+    qkv_bias = _fused_parameter(projections, "bias") if attn.q_proj.bias is not None else None
+    gate_up = _fused_parameter([mlp.gate_proj, mlp.up_proj], "weight")
+    return _FusedLayer(
+        layer.input_layernorm, layer.post_attention_layernorm, qkv, qkv_bias, attn.o_proj.weight.detach(),
+        gate_up, mlp.down_proj.weight.detach(), getattr(attn, "q_norm", None), getattr(attn, "k_norm", None),
+    )
+
+
+def _fused_parameter(modules: list[torch.nn.Module], name: str) -> torch.Tensor:
+    parts = [getattr(m, name) for m in modules]
+    fused = _back_to_back(parts)
+    if fused is not None:  # fused by an earlier RaggedTarget on the same model
+        return fused
+    fused = torch.cat([p.detach() for p in parts])
+    cursor = 0
+    for module, part in zip(modules, parts, strict=True):
+        size = part.shape[0]
+        setattr(module, name, torch.nn.Parameter(fused[cursor : cursor + size], requires_grad=part.requires_grad))
+        cursor += size
+    return fused
+
+
+def _back_to_back(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor over `parts` if they already lie back to back in one storage, else None."""
+    storage = parts[0].untyped_storage()
+    expected = parts[0].storage_offset()
+    for part in parts:
+        if (part.untyped_storage().data_ptr() != storage.data_ptr() or part.storage_offset() != expected
+                or not part.is_contiguous()):
+            return None
+        expected += part.numel()
+    rows = sum(p.shape[0] for p in parts)
+    first = parts[0].detach()
+    return first.new_empty(0).set_(storage, first.storage_offset(), (rows, *first.shape[1:]))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (N, H, hd) with cos/sin (N, 1, hd); rotate-half convention."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+class _AttentionPlan:
+    """Where each segment sits in the flat batch and in the cache; masks built once per forward."""
+
+    def __init__(self, segments: Sequence[Segment], starts: list[int], sizes: list[int],
+                 device: torch.device) -> None:
+        self.slots = [s.slot for s in segments]
+        self.starts, self.sizes = starts, sizes
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.device = device
+        self._masks: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._padded: tuple | None = None
+
+    def rows(self):
+        return zip(self.slots, self.starts, self.sizes, self.offsets, strict=True)
+
+    def causal_mask(self, start: int, size: int) -> torch.Tensor | None:
+        """(size, start + size) bool; None for one token (it sees the whole cache)."""
+        if size == 1:
+            return None
+        key = (start, size)
+        if key not in self._masks:
+            columns = torch.arange(start + size, device=self.device)
+            self._masks[key] = columns[None, :] <= start + torch.arange(size, device=self.device)[:, None]
+        return self._masks[key]
+
+    def padded_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         gqa: bool) -> torch.Tensor:
+        """One SDPA over (R, H, T_max, L_max) with a mask; padding rows attend to position 0."""
+        if self._padded is None:
+            longest = max(self.sizes)
+            context = max(a + n for a, n in zip(self.starts, self.sizes, strict=True))
+            slots = torch.tensor(self.slots, device=self.device)
+            row = torch.arange(longest, device=self.device)
+            starts = torch.tensor(self.starts, device=self.device)[:, None]
+            sizes = torch.tensor(self.sizes, device=self.device)[:, None]
+            flat = torch.cat([torch.arange(o, o + n) for o, n in zip(self.offsets, self.sizes, strict=True)])
+            batch_index = torch.repeat_interleave(torch.arange(len(self.sizes)), torch.tensor(self.sizes))
+            row_index = flat - torch.tensor(self.offsets)[batch_index]
+            columns = torch.arange(context, device=self.device)
+            mask = columns[None, None, :] <= (starts + row)[:, :, None]
+            mask = mask | ((row[None, :] >= sizes)[:, :, None] & (columns == 0))
+            self._padded = (slots, longest, context, mask[:, None], batch_index.to(self.device),
+                            row_index.to(self.device))
+        slots, longest, context, mask, batch_index, row_index = self._padded
+        padded = q.new_zeros(len(self.slots), longest, q.shape[1], q.shape[2])
+        padded[batch_index, row_index] = q
+        out = F.scaled_dot_product_attention(
+            padded.transpose(1, 2), keys[slots, :, :context], values[slots, :, :context],
+            attn_mask=mask, enable_gqa=gqa,
+        )
+        return out.transpose(1, 2)[batch_index, row_index]

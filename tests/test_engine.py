@@ -1,0 +1,212 @@
+"""The batched runtime: ragged forward against HF, continuous batching against single requests, and
+statistical losslessness with several concurrent requests and the confidence scheduler on."""
+
+import pytest
+import torch
+from conftest import VOCAB, hf_greedy, tiny_model
+from stats_helpers import MarkovDrafter, MarkovTarget, chi_square_pvalue, exact_marginals, random_tables
+from transformers import MistralConfig, MistralForCausalLM
+
+from dspark import engine as engine_module
+from dspark.drafters.base import Draft, NoDrafter
+from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
+from dspark.drafters.ngram import NgramDrafter
+from dspark.engine import Engine, Request, make_backend
+from dspark.errors import DsparkError
+from dspark.ragged import RaggedTarget, Segment
+from dspark.sampling import SamplingParams, make_generator
+from dspark.scheduler import SPSTable
+from dspark.target import Target, TargetSlots
+
+ALPHA = 1e-3
+
+
+def tiny_mistral():
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=None, eos_token_id=2)
+    return MistralForCausalLM(config).eval()
+
+
+def model_of(arch: str):
+    return tiny_mistral() if arch == "mistral" else tiny_model(arch, num_layers=3)
+
+
+def prompts(count: int, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(n),), generator=generator)
+            for n in torch.randint(3, 20, (count,), generator=generator)]
+
+
+# ------------------------------------------------------------------------------- ragged forward
+
+
+@pytest.mark.parametrize("attention", ["loop", "padded"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_ragged_forward_matches_hf(arch, attention):
+    model = model_of(arch)
+    layer_ids = (-1, 0, model.config.num_hidden_layers - 1)
+    ragged = RaggedTarget(model, layer_ids, max_slots=4, attention=attention)
+    sequences = prompts(3, seed=1)
+    slots = [ragged.allocate() for _ in sequences]
+    first = ragged.forward([Segment(s, q[:-3], "last") for s, q in zip(slots, sequences, strict=True)])
+    second = ragged.forward([Segment(s, q[-3:], "all") for s, q in zip(slots, sequences, strict=True)])
+    for sequence, head, tail in zip(sequences, first, second, strict=True):
+        reference = Target(model, layer_ids).extend(sequence)
+        torch.testing.assert_close(head.logits[0], reference.logits[-4], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(tail.logits, reference.logits[-3:], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.cat([head.hidden, tail.hidden]), reference.hidden, atol=1e-4, rtol=1e-4)
+
+    ragged.rollback(slots[0], 2)  # drop everything after position 2 and recompute it
+    again = ragged.forward([Segment(slots[0], sequences[0][2:], "all")])[0]
+    torch.testing.assert_close(again.logits, Target(model).extend(sequences[0]).logits[2:], atol=1e-4, rtol=1e-4)
+    assert ragged.length(slots[0]) == sequences[0].shape[0]
+
+
+def test_ragged_refuses_unsupported_models_and_the_engine_falls_back():
+    gpt2 = tiny_model("gpt2")
+    with pytest.raises(DsparkError, match="ragged batching supports"):
+        RaggedTarget(gpt2)
+    assert isinstance(make_backend(gpt2, max_slots=2), TargetSlots)
+    assert isinstance(make_backend(tiny_model("llama"), max_slots=2), RaggedTarget)
+
+
+def test_cache_grows_past_its_first_capacity():
+    model = tiny_model("llama")
+    ragged = RaggedTarget(model, max_slots=2)
+    long = torch.randint(3, VOCAB, (300,), generator=torch.Generator().manual_seed(0))
+    slot = ragged.allocate()
+    ragged.forward([Segment(slot, long[:200], "none")])
+    out = ragged.forward([Segment(slot, long[200:], "all")])[0]
+    torch.testing.assert_close(out.logits, Target(model).extend(long).logits[200:], atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------- continuous batching
+
+
+def random_dspark(target_model, block_size: int = 4) -> DSparkDrafter:
+    torch.manual_seed(3)
+    config = DSparkConfig.for_target(target_model.config, num_hidden_layers=1, markov_rank=8, block_size=block_size,
+                                     mask_token_id=VOCAB - 1)
+    return DSparkDrafter(DSparkModel(config), target_model.get_input_embeddings(), target_model.get_output_embeddings())
+
+
+@pytest.mark.parametrize("arch, drafter_kind", [("llama", "dspark"), ("qwen3", "ngram"), ("qwen2", "none"),
+                                                ("gpt2", "ngram")])
+def test_batched_greedy_equals_single_requests(arch, drafter_kind):
+    """5 requests through 3 slots (the last ones join as the first leave), prompts prefilled in
+    chunks of 5 tokens next to decoding requests: every output equals HF greedy decoding."""
+    model = tiny_model(arch, num_layers=3)
+    drafter = {"dspark": lambda: random_dspark(model), "ngram": lambda: NgramDrafter(max_ngram=2),
+               "none": NoDrafter}[drafter_kind]()
+    backend = make_backend(model, drafter.target_layer_ids, max_slots=3)
+    engine = Engine(backend, drafter, block_size=4, prefill_chunk=5)
+    requests = [Request(p, max_new_tokens=12 + 3 * i) for i, p in enumerate(prompts(5))]
+    largest_batch = 0
+
+    def watch(events):
+        nonlocal largest_batch
+        largest_batch = max(largest_batch, len(engine.running))
+
+    engine.run(requests, on_round=watch)
+    assert largest_batch == 3
+    for request in requests:
+        assert request.finished and request.finish_reason == "length"
+        assert request.output_ids == hf_greedy(model, request.prompt_ids, request.max_new_tokens)
+    assert engine.stats.num_generated == sum(len(r.output_ids) for r in requests)
+    assert not engine.running and len(backend.free) == 3
+
+
+def test_request_joining_mid_flight_and_abort():
+    model = tiny_model("llama", num_layers=3)
+    drafter = random_dspark(model)
+    engine = Engine(make_backend(model, drafter.target_layer_ids, max_slots=4), drafter, block_size=4)
+    first, second, doomed = (Request(p, max_new_tokens=20) for p in prompts(3, seed=4))
+    engine.add(first)
+    engine.add(doomed)
+    for _ in range(3):
+        engine.step()
+    engine.abort(doomed)
+    assert doomed.finished and doomed.finish_reason == "abort" and doomed not in engine.running
+    engine.add(second)
+    while engine.has_work:
+        engine.step()
+    for request in (first, second):
+        assert request.output_ids == hf_greedy(model, request.prompt_ids, 20)
+    assert len(engine.target.free) == 4
+
+
+def test_engine_rejects_bad_requests_and_settings():
+    model = tiny_model("llama")
+    backend = make_backend(model, max_slots=2)
+    with pytest.raises(DsparkError, match="max_concurrency"):
+        Engine(backend, NoDrafter(), max_concurrency=3)
+    with pytest.raises(DsparkError, match="SPS"):
+        Engine(backend, NoDrafter(), scheduler="dspark")
+    engine = Engine(backend, NoDrafter(), max_context=32)
+    with pytest.raises(DsparkError, match="context window"):
+        engine.add(Request(torch.arange(3, 30), max_new_tokens=10))
+    with pytest.raises(DsparkError, match="max_new_tokens"):
+        engine.add(Request(torch.arange(3, 8), max_new_tokens=0))
+    with pytest.raises(DsparkError, match="non-empty"):
+        engine.add(Request(torch.empty(0, dtype=torch.long), max_new_tokens=4))
+
+
+def test_eos_stops_one_request_and_not_the_others():
+    model = tiny_model("llama", num_layers=3)
+    engine = Engine(make_backend(model, max_slots=2), NgramDrafter(max_ngram=2), block_size=3)
+    a, b = prompts(2, seed=5)
+    free_running = hf_greedy(model, a, 16)
+    eos = free_running[5]
+    stopping = Request(a, max_new_tokens=16, eos_token_ids=frozenset({eos}))
+    other = Request(b, max_new_tokens=16)
+    engine.run([stopping, other])
+    assert stopping.finish_reason == "stop" and stopping.output_ids == free_running[: free_running.index(eos) + 1]
+    assert other.output_ids == hf_greedy(model, b, 16)
+
+
+# ---------------------------------------------------------------------------- losslessness
+
+
+class ConfidentMarkovDrafter(MarkovDrafter):
+    """Markov drafts with a confidence c_k = max q_k: it depends on x_{<k} only, like the real head."""
+
+    def propose(self, state, context, num_tokens, sampling, generator) -> Draft:
+        draft = super().propose(state, context, num_tokens, sampling, generator)
+        if not len(draft):
+            return draft
+        return Draft(draft.tokens, draft.q, draft.q.max(-1).values)
+
+
+def concurrent_samples(target_table, drafter, params, num_requests, num_tokens, scheduler="dspark", seed=0):
+    """Outputs of `num_requests` requests run 4 at a time, each with its own seeded generator."""
+    backend = TargetSlots([MarkovTarget(target_table) for _ in range(4)])
+    steep = SPSTable(tuple(1.0 / (1.0 + 0.12 * b) for b in range(1, 40)))
+    engine = Engine(backend, drafter, block_size=4, scheduler=scheduler, sps=steep)
+    requests = [Request(torch.tensor([0]), num_tokens, params, make_generator(seed * 100_000 + i))
+                for i in range(num_requests)]
+    engine.run(requests)
+    return torch.tensor([r.output_ids for r in requests]), engine
+
+
+@pytest.mark.parametrize("scheduler", ["dspark", "dspark-async", "threshold-0.3"])
+def test_concurrent_scheduled_sampling_is_lossless(scheduler):
+    target_table, draft_table = random_tables(8, seed=3)
+    params = SamplingParams(temperature=1.0)
+    outputs, engine = concurrent_samples(target_table, ConfidentMarkovDrafter(draft_table), params, 3000, 4,
+                                         scheduler)
+    assert 0.3 < engine.stats.mean_budget < 3.5  # the scheduler really cut drafts, and not all of them
+    marginals = exact_marginals(target_table, 0, params, 4)
+    pvalues = [chi_square_pvalue(outputs[:, j], marginals[j]) for j in range(4)]
+    assert min(pvalues) > ALPHA, pvalues
+
+
+def test_concurrent_negative_control_fails(monkeypatch):
+    from test_lossless import always_accept
+
+    monkeypatch.setattr(engine_module, "verify", always_accept)
+    target_table, draft_table = random_tables(8, seed=3)
+    params = SamplingParams(temperature=1.0)
+    outputs, _ = concurrent_samples(target_table, ConfidentMarkovDrafter(draft_table), params, 3000, 4)
+    marginals = exact_marginals(target_table, 0, params, 4)
+    assert min(chi_square_pvalue(outputs[:, j], marginals[j]) for j in range(1, 4)) < ALPHA
