@@ -4,6 +4,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from dspark.errors import DsparkError
 
@@ -92,6 +93,28 @@ def add_bench_parser(subparsers) -> None:
     draft.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                        help="drafter dtype (auto: bf16 on CPUs with native bf16, else the target's)")
     draft.set_defaults(handler=run_bench_draft)
+    load = bench.add_parser("load", help="throughput vs concurrency for every scheduling policy (engine)")
+    load.add_argument("--target", default="default")
+    load.add_argument("--drafter", default="default")
+    load.add_argument("--dataset", action="append", default=None,
+                      help="prompt JSONL (repeatable; default ../shared/eval_datasets/mt-bench.jsonl)")
+    load.add_argument("--max-concurrency", type=_positive_int, default=8)
+    load.add_argument("--num-requests", type=_positive_int, default=8)
+    load.add_argument("--max-new-tokens", type=_positive_int, default=48)
+    load.add_argument("--block-size", type=_positive_int, default=None)
+    load.add_argument("--policy", action="append", default=None,
+                      help="scheduling policies to compare (repeatable; default: none, fixed-1/3/5/7, threshold, "
+                           "dspark, dspark-async)")
+    load.add_argument("--plot-dir", default=None, help="write load_frontier.png and load_budget.png here")
+    load.add_argument("--json", action="store_true", help="(the JSON line is always printed last)")
+    load.set_defaults(handler=run_bench_load)
+    ragged = bench.add_parser("ragged", help="loop vs padded attention in the ragged batched forward")
+    ragged.add_argument("--target", default="default")
+    ragged.add_argument("--requests", type=_positive_int, nargs="+", default=[1, 4, 8, 16])
+    ragged.add_argument("--context-tokens", type=_positive_int, nargs="+", default=[256, 1024])
+    ragged.add_argument("--tokens-per-request", type=_positive_int, default=8)
+    ragged.add_argument("--repeats", type=_positive_int, default=7)
+    ragged.set_defaults(handler=run_bench_ragged)
 
 
 def run_bench_speed(args: argparse.Namespace) -> None:
@@ -104,6 +127,31 @@ def run_bench_draft(args: argparse.Namespace) -> None:
     from dspark.bench import run_draft_bench
 
     run_draft_bench(args)
+
+
+def run_bench_load(args: argparse.Namespace) -> None:
+    from dspark.bench_load import run_load_bench
+    from dspark.scheduler import get_scheduler
+
+    for policy in args.policy or []:
+        get_scheduler(policy)
+    args.dataset = args.dataset or [str(default_dataset("mt-bench"))]
+    run_load_bench(args)
+
+
+def run_bench_ragged(args: argparse.Namespace) -> None:
+    from dspark.bench_load import run_ragged_bench
+
+    run_ragged_bench(args)
+
+
+def default_dataset(name: str) -> Path:
+    """../shared/eval_datasets/<name>.jsonl next to the checkout, if it exists."""
+    for root in (Path.cwd(), *Path.cwd().parents):
+        path = root / "shared" / "eval_datasets" / f"{name}.jsonl"
+        if path.is_file():
+            return path
+    raise DsparkError(f"no shared/eval_datasets/{name}.jsonl above {Path.cwd()}; pass --dataset")
 
 
 def add_data_parser(subparsers) -> None:
@@ -133,8 +181,10 @@ def add_eval_parser(subparsers) -> None:
 def add_profile_parser(subparsers) -> None:
     parser = subparsers.add_parser("profile", help="measure the target's steps/s SPS(B) for B tokens per forward")
     parser.add_argument("--target", default="default")
-    parser.add_argument("--max-tokens", type=_positive_int, default=16)
-    parser.add_argument("--context-tokens", type=_positive_int, default=256)
+    parser.add_argument("--max-tokens", type=_positive_int, default=64,
+                        help="largest forward to profile: max concurrency × (γ + 1)")
+    parser.add_argument("--context-tokens", type=_positive_int, action="append",
+                        help="cached context per request (repeatable; default 256)")
     parser.set_defaults(handler=run_profile)
 
 
@@ -143,12 +193,15 @@ def run_profile(args: argparse.Namespace) -> None:
     from dspark.profiling import profile_path, sps_table
 
     loaded = load_target(args.target)
-    table = sps_table(loaded, args.max_tokens, args.context_tokens, refresh=True)
-    for b, sps in enumerate(table.values, 1):
-        print(f"B={b:<4d} SPS={sps:8.2f}/s  step={1000 / sps:7.2f} ms  relative cost={table.values[0] / sps:.3f}",
-              file=sys.stderr)
-    print(json.dumps({"target": loaded.name, "path": str(profile_path(loaded, args.context_tokens)),
-                      "sps": list(table.values)}))
+    tables = {}
+    for context in args.context_tokens or [256]:
+        table = sps_table(loaded, args.max_tokens, context, refresh=True)
+        print(f"context {context} tokens -> {profile_path(loaded, context)}", file=sys.stderr)
+        for b, sps in enumerate(table.values, 1):
+            print(f"B={b:<4d} SPS={sps:8.2f}/s  step={1000 / sps:7.2f} ms  relative cost={table.values[0] / sps:.3f}",
+                  file=sys.stderr)
+        tables[context] = list(table.values)
+    print(json.dumps({"target": loaded.name, "sps": tables}))
 
 
 COMMANDS: list[Callable] = [add_generate_parser, add_bench_parser, add_profile_parser, add_data_parser,

@@ -2,14 +2,16 @@
 next to the converted models (`$DSPARK_CACHE/profiles`)."""
 
 import json
+import math
 import re
 from pathlib import Path
 
 import torch
 
+from dspark.engine import make_backend
 from dspark.loading import LoadedTarget, cache_dir
+from dspark.ragged import Segment
 from dspark.scheduler import SPSTable, profile_sps
-from dspark.target import Target
 
 _TABLES: dict[Path, SPSTable] = {}
 
@@ -20,19 +22,30 @@ def profile_path(loaded: LoadedTarget, context_tokens: int) -> Path:
     return cache_dir() / "profiles" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', tag)}-ctx{context_tokens}.json"
 
 
-def measure_sps(loaded: LoadedTarget, max_tokens: int, context_tokens: int = 256, repeats: int = 5) -> SPSTable:
-    """SPS(B) for B = 1..max_tokens new tokens on a cache of `context_tokens` (rolled back after each)."""
-    target = Target(loaded.model)
-    vocab = min(target.vocab_size, 1000)
+def measure_sps(loaded: LoadedTarget, max_tokens: int, context_tokens: int = 256, repeats: int = 5,
+                tokens_per_request: int = 8) -> SPSTable:
+    """SPS(B) for B = 1..max_tokens new tokens, as the engine issues them: split over requests of up to
+    `tokens_per_request` tokens (a round's anchor + drafts), each on a cache of `context_tokens`, all
+    in one forward of the engine's backend (rolled back after each). B is measured densely up to 32
+    and every 8 tokens beyond (interpolated in between)."""
+    slots = math.ceil(max_tokens / tokens_per_request)
+    backend = make_backend(loaded.model, max_slots=slots)
+    vocab = min(int(loaded.model.get_output_embeddings().weight.shape[0]), 1000)
     generator = torch.Generator().manual_seed(0)
-    target.prefill(torch.randint(0, vocab, (context_tokens,), generator=generator))
+    for _ in range(slots):
+        slot = backend.allocate()
+        backend.forward([Segment(slot, torch.randint(0, vocab, (context_tokens,), generator=generator), "none")])
     tokens = torch.randint(0, vocab, (max_tokens,), generator=generator)
 
     def forward(num_tokens: int) -> None:
-        target.extend(tokens[:num_tokens])
-        target.rollback(context_tokens)
+        segments = [Segment(slot, tokens[start : min(start + tokens_per_request, num_tokens)])
+                    for slot, start in enumerate(range(0, num_tokens, tokens_per_request))]
+        backend.forward(segments)
+        for segment in segments:
+            backend.rollback(segment.slot, context_tokens)
 
-    return profile_sps(forward, max_tokens, repeats=repeats)
+    sizes = sorted({*range(1, min(max_tokens, 32) + 1), *range(32, max_tokens + 1, 8), max_tokens})
+    return profile_sps(forward, max_tokens, repeats=repeats, sizes=sizes)
 
 
 def sps_table(loaded: LoadedTarget, max_tokens: int, context_tokens: int = 256, refresh: bool = False) -> SPSTable:

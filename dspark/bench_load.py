@@ -1,0 +1,193 @@
+"""Benchmarks of the batched runtime.
+
+`dspark bench load`: throughput under load. For each concurrency level, every policy (no
+speculation, fixed γ, threshold, dspark, dspark-async) serves the same requests through the engine,
+policies interleaved in a rotating order so they share the machine's conditions. Reports aggregate
+tokens/s, per-user tokens/s and the verification budget (drafts verified per request per round).
+
+`dspark bench ragged`: the two attention layouts of the ragged forward, side by side.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.api import effective_block_size, eos_token_ids, prompt_ids
+from dspark.drafters import load_drafter
+from dspark.engine import Engine, Request, make_backend
+from dspark.eval.datasets import load_prompts
+from dspark.loading import load_target
+from dspark.ragged import RaggedTarget, Segment
+
+DEFAULT_POLICIES = ("none", "fixed-1", "fixed-3", "fixed-5", "fixed-7", "threshold", "dspark", "dspark-async")
+
+
+def concurrency_levels(max_concurrency: int) -> list[int]:
+    levels, level = [], 1
+    while level < max_concurrency:
+        levels.append(level)
+        level *= 2
+    return [*levels, max_concurrency]
+
+
+def run_level(loaded, drafter, prompts: list[torch.Tensor], policy: str, concurrency: int, max_new_tokens: int,
+              block_size: int, sps) -> dict:
+    """Serve every prompt with `policy` at `concurrency`; aggregate and per-user speed."""
+    backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=concurrency)
+    engine = Engine(backend, drafter, block_size=block_size, scheduler=policy, sps=sps)
+    eos = eos_token_ids(loaded)
+    requests = [Request(ids, max_new_tokens, eos_token_ids=eos) for ids in prompts]
+    start = time.perf_counter()
+    engine.run(requests)
+    wall = time.perf_counter() - start
+    tokens = sum(len(r.output_ids) for r in requests)
+    per_user = statistics.mean(len(r.output_ids) / r.stats.total_time for r in requests if r.stats.total_time > 0)
+    stats = engine.stats
+    return {
+        "throughput": tokens / wall,
+        "per_user": per_user,
+        "budget": stats.mean_budget,
+        "tau": stats.tau,
+        "scheduler_share": stats.scheduler_time / stats.round_time if stats.round_time else 0.0,
+        "outputs": [r.output_ids for r in requests],
+    }
+
+
+def run_load_bench(args: argparse.Namespace) -> dict:
+    loaded = load_target(args.target)
+    drafter = load_drafter(args.drafter, loaded.model)
+    block_size = effective_block_size(drafter, args.block_size)
+    texts = [text for dataset in args.dataset for text in load_prompts(dataset, args.num_requests)]
+    prompts = [prompt_ids(loaded, text) for text in texts[: args.num_requests]]
+    policies = args.policy or list(DEFAULT_POLICIES)
+    levels = concurrency_levels(args.max_concurrency)
+    sps = None
+    if any(p.startswith("dspark") for p in policies):
+        from dspark.profiling import sps_table
+
+        sps = sps_table(loaded, args.max_concurrency * (block_size + 1))
+
+    results: dict[str, dict[str, list]] = {p: {"throughput": [], "per_user": [], "budget": [], "tau": [],
+                                               "scheduler_share": [], "identical_to_none": []} for p in policies}
+    run_level(loaded, drafter, prompts[:1], policies[0], 1, 4, block_size, sps)  # warm-up
+    for index, level in enumerate(levels):
+        order = policies[index % len(policies):] + policies[: index % len(policies)]
+        measured = {policy: run_level(loaded, drafter, prompts, policy, level, args.max_new_tokens, block_size, sps)
+                    for policy in order}
+        reference = measured.get("none", measured[policies[0]])["outputs"]
+        for policy in policies:
+            row = measured[policy]
+            for key in ("throughput", "per_user", "budget", "tau", "scheduler_share"):
+                results[policy][key].append(round(row[key], 4))
+            same = sum(a == b for a, b in zip(row["outputs"], reference, strict=True)) / len(reference)
+            results[policy]["identical_to_none"].append(round(same, 4))
+        line = "  ".join(f"{p}={measured[p]['throughput']:.1f}" for p in policies)
+        print(f"[bench load] concurrency {level}: tokens/s {line}", file=sys.stderr)
+
+    fixed = [p for p in policies if p.startswith("fixed")]
+    report = {
+        "benchmark": "load",
+        "target": loaded.name,
+        "drafter": args.drafter,
+        "block_size": block_size,
+        "num_requests": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "torch_threads": torch.get_num_threads(),
+        "concurrency": levels,
+        "policies": results,
+    }
+    if fixed and "dspark" in policies:
+        report["dspark_vs_best_fixed"] = [
+            round(results["dspark"]["throughput"][i] / max(results[p]["throughput"][i] for p in fixed), 4)
+            for i in range(len(levels))
+        ]
+    if args.plot_dir:
+        report["plots"] = plot_load(report, Path(args.plot_dir))
+    _print_load_table(report)
+    print(json.dumps(report))
+    return report
+
+
+def _print_load_table(report: dict) -> None:
+    print(f"{'policy':<14}" + "".join(f"{'c=' + str(c):>18}" for c in report["concurrency"]), file=sys.stderr)
+    for name, row in report["policies"].items():
+        cells = "".join(f"{t:>9.1f}/{u:<5.1f}b{b:<3.1f}" for t, u, b in
+                        zip(row["throughput"], row["per_user"], row["budget"], strict=True))
+        print(f"{name:<14}{cells}", file=sys.stderr)
+    print("(aggregate tok/s / per-user tok/s, b = drafts verified per request per round)", file=sys.stderr)
+
+
+def plot_load(report: dict, plot_dir: Path) -> list[str]:
+    """Throughput vs per-user speed (paper Fig. 7) and verification budget vs concurrency (Fig. 8)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    figure, axes = plt.subplots(figsize=(6, 4.5))
+    for name, row in report["policies"].items():
+        axes.plot(row["per_user"], row["throughput"], marker="o", label=name)
+    axes.set_xlabel("per-user tokens/s")
+    axes.set_ylabel("aggregate tokens/s")
+    axes.set_title("Throughput vs per-user speed (concurrency 1 → max)")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    paths.append(str(plot_dir / "load_frontier.png"))
+    figure.savefig(paths[-1], dpi=120)
+    plt.close(figure)
+
+    figure, axes = plt.subplots(figsize=(6, 4.5))
+    for name, row in report["policies"].items():
+        if name != "none":
+            axes.plot(report["concurrency"], row["budget"], marker="o", label=name)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("concurrency")
+    axes.set_ylabel("drafts verified per request per round")
+    axes.set_title("Verification budget vs load")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    paths.append(str(plot_dir / "load_budget.png"))
+    figure.savefig(paths[-1], dpi=120)
+    plt.close(figure)
+    return paths
+
+
+def run_ragged_bench(args: argparse.Namespace) -> dict:
+    """Loop vs padded attention in one ragged forward: R requests × (γ+1) tokens on `context` tokens."""
+    loaded = load_target(args.target)
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for context in args.context_tokens:
+        for requests in args.requests:
+            backends = {mode: RaggedTarget(loaded.model, max_slots=requests, attention=mode)
+                        for mode in ("loop", "padded")}
+            lengths = [max(1, context - 16 * i) for i in range(requests)]  # ragged contexts
+            for backend in backends.values():
+                for length in lengths:
+                    backend.forward([Segment(backend.allocate(), torch.randint(0, 1000, (length,), generator=generator),
+                                             "none")])
+            block = torch.randint(0, 1000, (args.tokens_per_request,), generator=generator)
+            times = {mode: [] for mode in backends}
+            for _ in range(args.repeats):
+                for mode, backend in backends.items():
+                    start = time.perf_counter()
+                    backend.forward([Segment(slot, block) for slot in range(requests)])
+                    times[mode].append(time.perf_counter() - start)
+                    for slot, length in enumerate(lengths):
+                        backend.rollback(slot, length)
+            loop, padded = (statistics.median(times[m]) for m in ("loop", "padded"))
+            rows.append({"context": context, "requests": requests, "loop_ms": round(1000 * loop, 2),
+                         "padded_ms": round(1000 * padded, 2), "padded_over_loop": round(padded / loop, 4)})
+            print(f"[bench ragged] context {context} requests {requests}: loop {1000 * loop:.1f} ms, "
+                  f"padded {1000 * padded:.1f} ms ({padded / loop:.3f}×)", file=sys.stderr)
+    report = {"benchmark": "ragged", "target": loaded.name, "tokens_per_request": args.tokens_per_request,
+              "torch_threads": torch.get_num_threads(), "rows": rows}
+    print(json.dumps(report))
+    return report
