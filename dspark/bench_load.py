@@ -163,6 +163,7 @@ def run_ragged_bench(args: argparse.Namespace) -> dict:
     """Loop vs padded attention in one ragged forward: R requests × (γ+1) tokens on `context` tokens."""
     loaded = load_target(args.target)
     generator = torch.Generator().manual_seed(0)
+    vocab = min(int(loaded.model.get_output_embeddings().weight.shape[0]), 1000)
     rows = []
     for context in args.context_tokens:
         for requests in args.requests:
@@ -171,9 +172,9 @@ def run_ragged_bench(args: argparse.Namespace) -> dict:
             lengths = [max(1, context - 16 * i) for i in range(requests)]  # ragged contexts
             for backend in backends.values():
                 for length in lengths:
-                    backend.forward([Segment(backend.allocate(), torch.randint(0, 1000, (length,), generator=generator),
+                    backend.forward([Segment(backend.allocate(), torch.randint(0, vocab, (length,), generator=generator),
                                              "none")])
-            block = torch.randint(0, 1000, (args.tokens_per_request,), generator=generator)
+            block = torch.randint(0, vocab, (args.tokens_per_request,), generator=generator)
             times = {mode: [] for mode in backends}
             for _ in range(args.repeats):
                 for mode, backend in backends.items():

@@ -1,10 +1,14 @@
+import json
+
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -74,3 +78,47 @@ def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
         output = model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]),
                                 max_new_tokens=max_new_tokens, do_sample=False)
     return output[0, prompt.shape[0]:].tolist()
+
+
+# ----------------------------------------------------------------------- tiny models on disk
+
+WORDS = [f"w{i}" for i in range(80)]
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<user>", "<assistant>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+TINY_GAMMA = 4
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over w0..w79 with a chat template: decoding is exact, so text-level
+    tests (stop strings, streaming) are easy to reason about."""
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                        bos_token="<bos>", unk_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_on_disk(tmp_path_factory):
+    """A tiny random Llama target with a tokenizer, a random DSpark drafter and two prompt files."""
+    from dspark.drafters.checkpoint import save_pretrained
+    from dspark.drafters.dspark import DSparkConfig, DSparkModel
+
+    root = tmp_path_factory.mktemp("tiny")
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    config = DSparkConfig.for_target(target.config, num_hidden_layers=1, markov_rank=8, block_size=TINY_GAMMA)
+    model = DSparkModel(config, target.get_input_embeddings(), target.get_output_embeddings())
+    model.init_weights(std=0.3)  # confidences spread well away from 0.5
+    save_pretrained(model, root / "drafter", dtype=torch.float32)
+    for name, count in (("gsm8k", 3), ("mbpp", 2)):
+        lines = [json.dumps({"turns": [" ".join(WORDS[i : i + 3 + i % 4])]}) for i in range(count)]
+        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return root

@@ -7,13 +7,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from conftest import TINY_GAMMA
 
 from dspark.cli import main
 from dspark.drafters.base import Draft
-from dspark.drafters.checkpoint import load_dspark, read_config, save_pretrained
-from dspark.drafters.dspark import DSparkConfig, DSparkModel
+from dspark.drafters.checkpoint import load_dspark, read_config
 from dspark.errors import DrafterLoadError, DsparkError
 from dspark.eval.evaluate import cut_at_threshold, domain_of
 from dspark.eval.metrics import (
@@ -156,41 +154,12 @@ def test_sts_leaves_calibrated_head_and_unseen_positions_alone():
 
 # ----------------------------------------------------------------------- tiny models on disk
 
-WORDS = [f"w{i}" for i in range(80)]
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<user>", "<assistant>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
-GAMMA = 4
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
-                                        bos_token="<bos>", unk_token="<unk>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+GAMMA = TINY_GAMMA
 
 
 @pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    """A tiny random Llama target with a tokenizer and a random DSpark drafter, saved to disk."""
-    root = tmp_path_factory.mktemp("eval")
-    tokenizer = tiny_tokenizer()
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
-    target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    config = DSparkConfig.for_target(target.config, num_hidden_layers=1, markov_rank=8, block_size=GAMMA)
-    model = DSparkModel(config, target.get_input_embeddings(), target.get_output_embeddings())
-    model.init_weights(std=0.3)  # confidences spread well away from 0.5
-    save_pretrained(model, root / "drafter", dtype=torch.float32)
-    for name, count in (("gsm8k", 3), ("mbpp", 2)):
-        lines = [json.dumps({"turns": [" ".join(WORDS[i : i + 3 + i % 4])]}) for i in range(count)]
-        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
-    return root
+def tiny_dirs(tiny_on_disk):
+    return tiny_on_disk
 
 
 def copy_drafter(source, destination):

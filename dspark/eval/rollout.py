@@ -117,7 +117,7 @@ class RecordingDrafter(DrafterWrapper):
         calibrate = model.confidence
 
         def capture(confidence_logits: torch.Tensor) -> torch.Tensor:
-            self._raw_logits = confidence_logits.detach().float().cpu()
+            self._raw_logits = confidence_logits.detach().float().cpu().reshape(-1)  # one request: (1, n)
             return calibrate(confidence_logits)
 
         model.confidence = capture  # an instance attribute shadowing the method, removed below

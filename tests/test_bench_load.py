@@ -1,0 +1,40 @@
+"""`dspark bench load` and `dspark bench ragged` end to end on a tiny model."""
+
+import json
+
+from dspark.cli import main
+
+
+def run_cli(capsys, *argv) -> dict:
+    assert main([str(a) for a in argv]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_bench_load_sweeps_policies_and_concurrency(tiny_on_disk, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    policies = ["none", "fixed-3", "dspark", "dspark-async"]
+    report = run_cli(capsys, "bench", "load", "--target", tiny_on_disk / "target", "--drafter",
+                     tiny_on_disk / "drafter", "--dataset", tiny_on_disk / "gsm8k.jsonl", "--max-concurrency", 3,
+                     "--num-requests", 3, "--max-new-tokens", 6, "--plot-dir", tmp_path / "plots",
+                     *[arg for p in policies for arg in ("--policy", p)])
+    assert report["concurrency"] == [1, 2, 3]
+    assert list(report["policies"]) == policies
+    for name, row in report["policies"].items():
+        assert len(row["throughput"]) == len(row["per_user"]) == len(row["budget"]) == 3
+        assert all(t > 0 for t in row["throughput"])
+    assert report["policies"]["none"]["budget"] == [0.0, 0.0, 0.0]
+    assert all(0 < b <= 3 for b in report["policies"]["fixed-3"]["budget"])
+    assert len(report["dspark_vs_best_fixed"]) == 3
+    assert all((tmp_path / "plots" / name).stat().st_size > 0 for name in ("load_frontier.png", "load_budget.png"))
+
+
+def test_bench_load_rejects_unknown_policy(tiny_on_disk, capsys):
+    assert main(["bench", "load", "--target", str(tiny_on_disk / "target"), "--policy", "sometimes"]) == 2
+    assert "unknown scheduler" in capsys.readouterr().err
+
+
+def test_bench_ragged_compares_attention_layouts(tiny_on_disk, capsys):
+    report = run_cli(capsys, "bench", "ragged", "--target", tiny_on_disk / "target", "--requests", 1, 3,
+                     "--context-tokens", 16, "--repeats", 2)
+    assert [(r["context"], r["requests"]) for r in report["rows"]] == [(16, 1), (16, 3)]
+    assert all(r["loop_ms"] > 0 and r["padded_ms"] > 0 for r in report["rows"])
