@@ -172,8 +172,8 @@ def run_ragged_bench(args: argparse.Namespace) -> dict:
             lengths = [max(1, context - 16 * i) for i in range(requests)]  # ragged contexts
             for backend in backends.values():
                 for length in lengths:
-                    backend.forward([Segment(backend.allocate(), torch.randint(0, vocab, (length,), generator=generator),
-                                             "none")])
+                    context_ids = torch.randint(0, vocab, (length,), generator=generator)
+                    backend.forward([Segment(backend.allocate(), context_ids, "none")])
             block = torch.randint(0, vocab, (args.tokens_per_request,), generator=generator)
             times = {mode: [] for mode in backends}
             for _ in range(args.repeats):

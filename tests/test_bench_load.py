@@ -19,7 +19,7 @@ def test_bench_load_sweeps_policies_and_concurrency(tiny_on_disk, tmp_path, monk
                      *[arg for p in policies for arg in ("--policy", p)])
     assert report["concurrency"] == [1, 2, 3]
     assert list(report["policies"]) == policies
-    for name, row in report["policies"].items():
+    for row in report["policies"].values():
         assert len(row["throughput"]) == len(row["per_user"]) == len(row["budget"]) == 3
         assert all(t > 0 for t in row["throughput"])
     assert report["policies"]["none"]["budget"] == [0.0, 0.0, 0.0]
