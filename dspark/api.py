@@ -173,45 +173,70 @@ def single_request_target(loaded: LoadedTarget, drafter: Drafter) -> TargetBacke
     return make_backend(loaded.model, drafter.target_layer_ids, max_slots=1)
 
 
+class TextAccumulator:
+    """Token ids in, text deltas out. Holds back the tail that could still grow into a stop string
+    (or is an incomplete UTF-8 character) and cuts at the first stop string, keeping the tokens
+    through it (as HF does)."""
+
+    def __init__(self, tokenizer, stop: list[str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop or [] if s]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def add(self, tokens: list[int]) -> str:
+        """The text that is now final; after a stop string, everything before it."""
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cut = _stop_cut(text, self.stop)
+        if cut is not None:
+            self.tokens = _tokens_through_stop(self.tokenizer, self.tokens, self.stop)
+            self.text, self.stopped = text[:cut], True
+            return self.flush()
+        self.text = text
+        ready = len(text) - self.holdback
+        while ready > self.sent and text[ready - 1] == "\ufffd":
+            ready -= 1
+        if ready <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent : ready], ready
+        return delta
+
+    def flush(self) -> str:
+        """Whatever was held back (call once generation has ended)."""
+        delta, self.sent = self.text[self.sent :], len(self.text)
+        return delta
+
+
 def _run(handle: TextStream, loaded: LoadedTarget, drafter: Drafter, ids: torch.Tensor, max_new_tokens: int,
          sampling: SamplingParams, seed: int | None, stop: list[str], block_size: int,
          scheduler: str = "fixed") -> Iterator[str]:
-    tokenizer = loaded.tokenizer
     stats = GenerationStats()
     target = single_request_target(loaded, drafter)
     scheduler, sps = scheduler_for(scheduler, loaded, drafter, block_size)
-    tokens: list[int] = []
-    sent = 0
-    holdback = max((len(s) for s in stop), default=1) - 1
-    finish = "length"
     chunks = speculative_decode(
         target, drafter, ids, max_new_tokens=max_new_tokens, sampling=sampling,
         generator=make_generator(seed), block_size=block_size, eos_token_ids=eos_token_ids(loaded), stats=stats,
         scheduler=scheduler, sps=sps,
     )
-    text = ""
+    text = TextAccumulator(loaded.tokenizer, stop)
     for chunk in chunks:
-        tokens.extend(chunk)
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        cut = _stop_cut(text, stop)
-        if cut is not None:
-            tokens = _tokens_through_stop(tokenizer, tokens, stop)
-            text, finish = text[:cut], "stop"
+        delta = text.add(chunk)
+        if delta:
+            yield delta
+        if text.stopped:
             break
-        ready = len(text) - holdback
-        while ready > sent and text[ready - 1] == "\ufffd":
-            ready -= 1
-        if ready > sent:
-            yield text[sent:ready]
-            sent = ready
-    else:
-        finish = stats.finish_reason
     chunks.close()
-    if len(text) > sent:
-        yield text[sent:]
+    delta = text.flush()
+    if delta:
+        yield delta
+    finish = "stop" if text.stopped else stats.finish_reason
     stats.finish_reason = finish
-    stats.num_generated = len(tokens)
-    handle.result = GenerationResult(text, tokens, stats, finish)
+    stats.num_generated = len(text.tokens)
+    handle.result = GenerationResult(text.text, text.tokens, stats, finish)
 
 
 def _tokens_through_stop(tokenizer, tokens: list[int], stop: list[str]) -> list[int]:

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -204,8 +205,62 @@ def run_profile(args: argparse.Namespace) -> None:
     print(json.dumps({"target": loaded.name, "sps": tables}))
 
 
-COMMANDS: list[Callable] = [add_generate_parser, add_bench_parser, add_profile_parser, add_data_parser,
-                            add_train_parser, add_calibrate_parser, add_eval_parser]
+def add_serve_parser(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    add_model_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    parser.add_argument("--port", type=_positive_int, default=8000)
+    parser.add_argument("--scheduler", default="dspark",
+                        help="dspark | dspark-async | threshold[-t] | fixed | fixed-<γ> | none")
+    parser.add_argument("--max-concurrency", type=_positive_int, default=8, help="requests decoded together")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond that; more get 429")
+    parser.add_argument("--block-size", type=_positive_int, default=None)
+    parser.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $DSPARK_API_KEY, else no key)")
+    parser.add_argument("--served-model-name", default=None, help="model id clients use (default: the target's)")
+    parser.add_argument("--prefill-chunk", type=_positive_int, default=512,
+                        help="most prompt tokens prefilled per round, next to decoding requests")
+    parser.set_defaults(handler=run_serve)
+
+
+def _uvicorn_server_class():
+    import contextlib
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn re-raises SIGINT/SIGTERM once it has shut down; after a graceful drain we exit 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                captured = getattr(self, "_captured_signals", None)
+                if captured is not None:
+                    captured.clear()
+
+    return DrainingServer
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from dspark.scheduler import get_scheduler
+    from dspark.server.app import build_server
+
+    get_scheduler(args.scheduler)
+    if args.max_queue < 0:
+        raise DsparkError(f"--max-queue must be >= 0, got {args.max_queue}")
+    app = build_server(args.target, args.drafter, scheduler=args.scheduler, max_concurrency=args.max_concurrency,
+                       max_queue=args.max_queue, block_size=args.block_size, api_key=args.api_key,
+                       served_model_name=args.served_model_name, prefill_chunk=args.prefill_chunk)
+    config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=60, log_level="info")
+    _uvicorn_server_class()(config).run()
+    print("[dspark] server drained and stopped", file=sys.stderr)
+
+
+COMMANDS: list[Callable] = [add_generate_parser, add_serve_parser, add_bench_parser, add_profile_parser,
+                            add_data_parser, add_train_parser, add_calibrate_parser, add_eval_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,1 @@
+"""`dspark serve`: an OpenAI-compatible server over the continuous-batching engine."""
