@@ -106,15 +106,16 @@ def test_negative_control_wrong_q_fails(small_target, monkeypatch):
     (here a flattened copy, as when q is recomputed with other temperature/top-p settings). The same
     chi-square test must catch the skew."""
     drafter = dspark_drafter(small_target, 4, "vanilla")
-    original = drafter.propose
+    original = drafter.propose_batch
 
-    def flattened_q(state, context, num_tokens, sampling, generator):
-        draft = original(state, context, num_tokens, sampling, generator)
-        flat = draft.q.pow(0.3)
-        draft.q = flat / flat.sum(-1, keepdim=True)
-        return draft
+    def flattened_q(*args):
+        drafts = original(*args)
+        for draft in drafts:
+            flat = draft.q.pow(0.3)
+            draft.q = flat / flat.sum(-1, keepdim=True)
+        return drafts
 
-    monkeypatch.setattr(drafter, "propose", flattened_q)
+    monkeypatch.setattr(drafter, "propose_batch", flattened_q)
     params = SamplingParams(temperature=1.0)
     outputs = sample_first_tokens(small_target, drafter, params, 4000, 4)
     marginals = exact_marginals(small_target, params)
@@ -145,14 +146,15 @@ def test_dropped_q_stays_lossless_but_accepts_less(small_target, monkeypatch):
         return (accepted + rounds) / rounds
 
     with_q = tau_over(150)
-    original = drafter.propose
+    original = drafter.propose_batch
 
-    def drop_q(state, context, num_tokens, sampling, generator):
-        draft = original(state, context, num_tokens, sampling, generator)
-        draft.q = None
-        return draft
+    def drop_q(*args):
+        drafts = original(*args)
+        for draft in drafts:
+            draft.q = None
+        return drafts
 
-    monkeypatch.setattr(drafter, "propose", drop_q)
+    monkeypatch.setattr(drafter, "propose_batch", drop_q)
     assert tau_over(150) < with_q - 0.05
 
 

@@ -24,6 +24,7 @@ class TrainConfig:
     block_size: int = 7  # γ: block size / TTT steps / MTP depths
     target_layer_ids: list[int] | None = None  # None: the drafter type's default
     mask_token_id: int | None = None  # None: the last vocabulary id (DSpark/DFlash)
+    init_from_target: bool = False  # DSpark/DFlash: start the draft layers from the target's last layers
     # -- target and data -----------------------------------------------------------------------
     target: str = "default"
     data: str = ""  # JSONL of {"messages": [user, assistant]} or {"prompt_ids", "answer_ids"}

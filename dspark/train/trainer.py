@@ -75,8 +75,38 @@ def _dspark_build(config: TrainConfig, target: nn.Module, dflash: bool = False) 
     except ValueError as error:
         raise DsparkError(f"invalid drafter config: {error}") from error
     drafter = DSparkModel(drafter_config, target.get_input_embeddings(), target.get_output_embeddings())
+    if config.init_from_target:
+        init_from_target(drafter, target)
     warm_start(drafter, target)
     return drafter
+
+
+@torch.no_grad()
+def init_from_target(drafter: nn.Module, target: nn.Module) -> None:
+    """Start the draft layers as copies of the target's last layers, the context projection as the
+    identity on the deepest feature layer, and the final norm as the target's. A small drafter on a
+    small data budget then begins from a network that already maps hidden states to next tokens,
+    instead of from noise. (The q/k norms have no counterpart in Llama-family targets: they stay 1.)"""
+    inner = target.model
+    layers = list(inner.layers)
+    config = drafter.config
+    for draft_layer, source in zip(drafter.layers, layers[-len(drafter.layers):], strict=True):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            weight = getattr(source.self_attn, name).weight
+            target_weight = getattr(draft_layer.self_attn, name).weight
+            if weight.shape != target_weight.shape:
+                raise DsparkError(f"init_from_target: {name} shapes differ ({tuple(weight.shape)} vs "
+                                  f"{tuple(target_weight.shape)})")
+            target_weight.copy_(weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(draft_layer.mlp, name).weight.copy_(getattr(source.mlp, name).weight)
+        draft_layer.input_layernorm.weight.copy_(source.input_layernorm.weight)
+        draft_layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
+    hidden = config.hidden_size
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, -hidden:].copy_(torch.eye(hidden))
+    drafter.hidden_norm.weight.copy_(layers[-len(drafter.layers)].input_layernorm.weight)
+    drafter.norm.weight.copy_(inner.norm.weight)
 
 
 def warm_start(drafter: nn.Module, target: nn.Module) -> None:
