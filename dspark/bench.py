@@ -167,7 +167,8 @@ def run_draft_bench(args: argparse.Namespace) -> dict:
     target = Target(loaded.model, layer_ids)
     prefill = target.prefill(ids[:-1])
     states = {name: drafter.start(ids[:-1], prefill.hidden) for name, drafter in configs.items()}
-    block = torch.cat([ids[-1:], torch.randint(0, 1000, (gamma,))])
+    vocab = min(int(loaded.model.get_output_embeddings().weight.shape[0]), 1000)
+    block = torch.cat([ids[-1:], torch.randint(0, vocab, (gamma,))])
     sampling = SamplingParams()
     times: dict[str, list[float]] = {name: [] for name in [*configs, "verify"]}
     for _ in range(args.repeats):

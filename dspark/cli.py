@@ -155,6 +155,12 @@ def default_dataset(name: str) -> Path:
     raise DsparkError(f"no shared/eval_datasets/{name}.jsonl above {Path.cwd()}; pass --dataset")
 
 
+def add_report_parser(subparsers) -> None:
+    from dspark.eval.results import add_report_parser as add
+
+    add(subparsers)
+
+
 def add_data_parser(subparsers) -> None:
     from dspark.train.cli_data import add_data_parser as add
 
@@ -260,7 +266,8 @@ def run_serve(args: argparse.Namespace) -> None:
 
 
 COMMANDS: list[Callable] = [add_generate_parser, add_serve_parser, add_bench_parser, add_profile_parser,
-                            add_data_parser, add_train_parser, add_calibrate_parser, add_eval_parser]
+                            add_data_parser, add_train_parser, add_calibrate_parser, add_eval_parser,
+                            add_report_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -272,3 +273,37 @@ def test_calibrate_refuses_drafter_without_confidence_head(tiny_dirs, capsys):
     assert main(["calibrate", "--target", str(tiny_dirs / "target"), "--drafter", "ngram",
                  "--dataset", str(tiny_dirs / "mbpp.jsonl")]) == 2
     assert "nothing to calibrate" in capsys.readouterr().err
+
+
+def test_replayed_sweeps_by_hand():
+    from dspark.eval.results import threshold_sweep, verify_length_sweep
+
+    rounds = [RoundRecord(3, 3, [0.9, 0.8, 0.5]), RoundRecord(3, 0, [0.4, 0.9, 0.9]),
+              RoundRecord(3, 1, [0.9, 0.5, 1.0])]
+    sweep = verify_length_sweep(rounds, 3)
+    assert [row["tau"] for row in sweep] == pytest.approx([1 + 2 / 3, 1 + 3 / 3, 1 + 4 / 3], abs=1e-4)
+    assert sweep[0]["acceptance_rate"] == pytest.approx(2 / 3, abs=1e-4)
+    cut = {row["threshold"]: row for row in threshold_sweep(rounds, thresholds=(0.0, 0.5))}
+    # a = (0.9, 0.72, 0.36), (0.4, 0.36, 0.324), (0.9, 0.45, 0.45): at t = 0.5 the cuts are 2, 0, 1
+    assert cut[0.5]["verified_per_round"] == pytest.approx(1.0)
+    assert cut[0.5]["tokens_per_round"] == pytest.approx(1 + (2 + 0 + 1) / 3, abs=1e-4)
+    assert cut[0.5]["acceptance_rate"] == pytest.approx(1.0)
+    assert cut[0.0]["verified_per_round"] == pytest.approx(3.0)
+
+
+def test_report_end_to_end(tiny_dirs, tmp_path, capsys):
+    calibrated = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
+    store_temperatures(calibrated, [1.5, 1.0, 0.8, 2.0])
+    out = tmp_path / "docs" / "RESULTS.md"
+    summary = run_cli(capsys, "report", "--target", tiny_dirs / "target", "--drafter", f"dspark={calibrated}",
+                      "--drafter", "ngram=ngram", "--dataset", tiny_dirs / "gsm8k.jsonl", "--dataset",
+                      tiny_dirs / "mbpp.jsonl", "--num-prompts", 2, "--max-new-tokens", 10, "--speed-prompts", 1,
+                      "--depth", 1, "--out", out)
+    text = out.read_text()
+    for heading in ("Acceptance length", "Verify length", "Confidence threshold", "Calibration", "Batch-1 speed",
+                    "Depth"):
+        assert heading in text
+    assert set(summary["tau"]) == {"dspark@T=0", "dspark@T=1", "ngram@T=0", "ngram@T=1"}
+    names = {Path(p).name for p in summary["plots"]}
+    assert {"position_acceptance.png", "verify_length.png", "threshold_sweep.png", "reliability.png"} <= names
+    assert f"{summary['tau']['dspark@T=0']:.3f}" in text
