@@ -124,39 +124,17 @@ def _print_load_table(report: dict) -> None:
 
 def plot_load(report: dict, plot_dir: Path) -> list[str]:
     """Throughput vs per-user speed (paper Fig. 7) and verification budget vs concurrency (Fig. 8)."""
-    import matplotlib
+    from dspark.eval.report import plot_lines
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plot_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    figure, axes = plt.subplots(figsize=(6, 4.5))
-    for name, row in report["policies"].items():
-        axes.plot(row["per_user"], row["throughput"], marker="o", label=name)
-    axes.set_xlabel("per-user tokens/s")
-    axes.set_ylabel("aggregate tokens/s")
-    axes.set_title("Throughput vs per-user speed (concurrency 1 → max)")
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    paths.append(str(plot_dir / "load_frontier.png"))
-    figure.savefig(paths[-1], dpi=120)
-    plt.close(figure)
-
-    figure, axes = plt.subplots(figsize=(6, 4.5))
-    for name, row in report["policies"].items():
-        if name != "none":
-            axes.plot(report["concurrency"], row["budget"], marker="o", label=name)
-    axes.set_xscale("log", base=2)
-    axes.set_xlabel("concurrency")
-    axes.set_ylabel("drafts verified per request per round")
-    axes.set_title("Verification budget vs load")
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    paths.append(str(plot_dir / "load_budget.png"))
-    figure.savefig(paths[-1], dpi=120)
-    plt.close(figure)
-    return paths
+    policies = report["policies"]
+    frontier = plot_lines({name: (row["per_user"], row["throughput"]) for name, row in policies.items()},
+                          plot_dir / "load_frontier.png", xlabel="per-user tokens/s", ylabel="aggregate tokens/s",
+                          title="Throughput vs per-user speed (concurrency 1 → max)")
+    budget = plot_lines({name: (report["concurrency"], row["budget"]) for name, row in policies.items()
+                         if name != "none"}, plot_dir / "load_budget.png", xlabel="concurrency",
+                        ylabel="drafts verified per request per round", title="Verification budget vs load",
+                        log2_x=True)
+    return [str(frontier), str(budget)]
 
 
 def run_ragged_bench(args: argparse.Namespace) -> dict:

@@ -51,6 +51,25 @@ def plot_position_acceptance(rates: Mapping[str, Sequence[float | None]], path: 
         plt.close(fig)
 
 
+def plot_lines(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], path: str | Path, *, xlabel: str,
+               ylabel: str, title: str, log2_x: bool = False) -> Path:
+    """One line with markers per named (xs, ys) series."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    if log2_x:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
 def plot_accepted_histogram(histograms: Mapping[str, Sequence[int]], path: str | Path) -> Path:
     """Fraction of rounds accepting exactly n drafts, one line per series."""
     plt = _pyplot()
