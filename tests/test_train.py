@@ -15,6 +15,7 @@ from conftest import tiny_model
 from safetensors.torch import load_file
 
 from dspark.errors import DsparkError
+from dspark.loading import load_target
 from dspark.train.anchors import block_labels, candidate_anchors, sample_anchors, target_positions
 from dspark.train.cli_train import add_train_parser
 from dspark.train.config import TrainConfig, load_config
@@ -379,3 +380,30 @@ def test_loss_decreases_on_a_learnable_pattern(workdir):
     first = sum(r["ce"] for r in log[:3]) / 3
     last = sum(r["ce"] for r in log[-3:]) / 3
     assert last < 0.8 * first
+
+
+def test_init_from_checkpoint_continues_from_its_weights(workdir):
+    first = tiny_config(workdir, "first", max_steps=3, save_every=3, eval_every=3)
+    train(first)
+    source = workdir / "first" / "final"
+    built = DRAFTERS["dspark"].build(tiny_config(workdir, "x", init_from=str(source)),
+                                     load_target(str(workdir / "target")).model)
+    saved = load_file(str(source / "model.safetensors"))
+    assert torch.equal(built.fc.weight, saved["fc.weight"].float())
+    with pytest.raises(DsparkError, match="does not match"):
+        DRAFTERS["dspark"].build(tiny_config(workdir, "y", init_from=str(source), markov_rank=4),
+                                 load_target(str(workdir / "target")).model)
+    with pytest.raises(DsparkError, match="init_from"):
+        DRAFTERS["dspark"].build(tiny_config(workdir, "z", init_from=str(workdir / "missing")),
+                                 load_target(str(workdir / "target")).model)
+
+
+def test_init_from_target_copies_the_last_layer(workdir):
+    target = load_target(str(workdir / "target")).model
+    drafter = DRAFTERS["dspark"].build(tiny_config(workdir, "x", init_from_target=True), target)
+    last = target.model.layers[-1]
+    assert torch.equal(drafter.layers[0].self_attn.q_proj.weight, last.self_attn.q_proj.weight)
+    assert torch.equal(drafter.layers[0].mlp.down_proj.weight, last.mlp.down_proj.weight)
+    hidden = target.config.hidden_size
+    assert torch.equal(drafter.fc.weight[:, -hidden:], torch.eye(hidden))  # deepest feature layer passes through
+    assert not drafter.fc.weight[:, :-hidden].any()

@@ -25,6 +25,7 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None  # None: the drafter type's default
     mask_token_id: int | None = None  # None: the last vocabulary id (DSpark/DFlash)
     init_from_target: bool = False  # DSpark/DFlash: start the draft layers from the target's last layers
+    init_from: str | None = None  # DSpark/DFlash: start from this drafter checkpoint (fine-tune on new data)
     # -- target and data -----------------------------------------------------------------------
     target: str = "default"
     data: str = ""  # JSONL of {"messages": [user, assistant]} or {"prompt_ids", "answer_ids"}

@@ -75,11 +75,33 @@ def _dspark_build(config: TrainConfig, target: nn.Module, dflash: bool = False) 
     except ValueError as error:
         raise DsparkError(f"invalid drafter config: {error}") from error
     drafter = DSparkModel(drafter_config, target.get_input_embeddings(), target.get_output_embeddings())
+    if config.init_from:
+        init_from_checkpoint(drafter, config.init_from)
+        return drafter
     if config.init_from_target:
         init_from_target(drafter, target)
     warm_start(drafter, target)
     return drafter
 
+
+@torch.no_grad()
+def init_from_checkpoint(drafter: nn.Module, path: str) -> None:
+    """Start from a trained drafter's weights (a fresh optimiser and schedule): continue training
+    on new or more data. The architecture must match exactly."""
+    from dspark.drafters.checkpoint import load_model
+    from dspark.errors import DrafterLoadError
+
+    try:
+        source = load_model(path, dtype=torch.float32)
+    except DrafterLoadError as error:
+        raise DsparkError(f"init_from: {error}") from None
+    mine, theirs = drafter.state_dict(), source.state_dict()
+    mismatched = sorted(k for k in mine.keys() | theirs.keys()
+                        if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
+    if mismatched:
+        raise DsparkError(f"init_from {path}: the checkpoint does not match this drafter config "
+                          f"({len(mismatched)} tensors differ, e.g. {mismatched[:3]})")
+    drafter.load_state_dict(theirs)
 
 @torch.no_grad()
 def init_from_target(drafter: nn.Module, target: nn.Module) -> None:
