@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from dspark.engine import make_backend
-from dspark.loading import LoadedTarget, cache_dir
+from dspark.loading import LoadedTarget, cache_dir, log
 from dspark.ragged import Segment
 from dspark.scheduler import SPSTable, profile_sps
 
@@ -63,6 +63,7 @@ def sps_table(loaded: LoadedTarget, max_tokens: int, context_tokens: int = 256, 
                 return table
         except (ValueError, KeyError, json.JSONDecodeError):
             pass
+    log(f"profiling {loaded.name}'s step rate for 1..{max_tokens} tokens per forward (once; cached in {path})")
     table = measure_sps(loaded, max_tokens, context_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(table.to_json())
