@@ -151,6 +151,13 @@ def test_sts_leaves_calibrated_head_and_unseen_positions_alone():
     assert 0.7 < temperatures[0] < 1.4
     assert temperatures[3] == 1.0  # no rounds verified position 4
     assert fit_sequential_temperatures(logits[:20], outcomes[:20], min_rounds=50) == [1.0] * 4
+    positives = np.nansum(outcomes, axis=0)
+    fewest = int(positives.min())
+    guarded = fit_sequential_temperatures(logits, outcomes, min_positives=fewest + 1)
+    unguarded = fit_sequential_temperatures(logits, outcomes)
+    for k in range(4):  # positions with too few accepted prefixes keep T = 1; the others are fitted as before
+        expected = 1.0 if positives[k] < fewest + 1 else unguarded[k]
+        assert guarded[k] == expected
 
 
 # ----------------------------------------------------------------------- tiny models on disk

@@ -179,9 +179,10 @@ def render(data: dict) -> str:
                         r["draft_ms_per_round"], r["verify_ms_per_round"]] for name, r in acceptance.items()]))
     out += ["", "Per-position conditional acceptance (position k counted only when 1..k−1 were accepted; paper "
             "Fig. 2):", "", "![position acceptance](results/position_acceptance.png)", ""]
-    out.append(_table(["drafter", *[f"k={k + 1}" for k in range(max(len(r["position_acceptance"])
-                                                                     for r in acceptance.values()))]],
-                      [[name, *r["position_acceptance"]] for name, r in acceptance.items()]))
+    width = max(len(r["position_acceptance"]) for r in acceptance.values())
+    out.append(_table(["drafter", *[f"k={k + 1}" for k in range(width)]],
+                      [[name, *r["position_acceptance"], *[None] * (width - len(r["position_acceptance"]))]
+                       for name, r in acceptance.items()]))
     sweep, latency = data["verify_length_sweep"], data["latency"]
     out += ["", "## Verify length and draft latency (paper Fig. 4 analogue)", "",
             "τ if each round verified only its first ℓ drafts (replayed from the full-length T = 0 rounds of "

@@ -64,18 +64,20 @@ def fit_sequential_temperatures(
     grid: Sequence[float] = TEMPERATURE_GRID,
     num_bins: int = 10,
     min_rounds: int = 1,
+    min_positives: int = 0,
 ) -> list[float]:
     """STS: for k = 1..γ in order, the grid temperature minimising the ECE of a_k, T_<k fixed.
 
-    Positions verified in fewer than `min_rounds` rounds keep T = 1: an ECE over a handful of
-    samples is noise, and fitting it gives extreme temperatures. Among equally good temperatures the
-    one closest to 1 (in log scale) wins."""
+    Positions verified in fewer than `min_rounds` rounds, or where fewer than `min_positives` of
+    them had drafts 1..k all accepted, keep T = 1: an ECE over a handful of (positive) samples is
+    noise, and fitting it gives extreme temperatures. Among equally good temperatures the one closest
+    to 1 (in log scale) wins."""
     grid_array = np.asarray(grid, dtype=np.float64)
     preference = np.argsort(np.abs(np.log(grid_array)), kind="stable")  # nearest to T = 1 first
     temperatures: list[float] = []
     for k in range(logits.shape[1]):
         rows = ~np.isnan(outcomes[:, k])
-        if rows.sum() < max(min_rounds, 1):
+        if rows.sum() < max(min_rounds, 1) or np.nansum(outcomes[rows, k]) < min_positives:
             temperatures.append(1.0)
             continue
         prefix = prefix_survival(logits[rows, :k], temperatures)[:, -1] if k else np.ones(int(rows.sum()))
@@ -188,6 +190,8 @@ def add_calibrate_parser(subparsers) -> None:
     parser.add_argument("--num-bins", type=int, default=10, help="equal-width ECE bins")
     parser.add_argument("--min-rounds", type=int, default=50,
                         help="positions verified in fewer rounds keep temperature 1 (too few samples to fit)")
+    parser.add_argument("--min-positives", type=int, default=20,
+                        help="positions where fewer verified rounds had drafts 1..k all accepted keep temperature 1")
     parser.add_argument("--plot", default=None, help="write a reliability diagram (PNG) here")
     parser.add_argument("--dry-run", action="store_true", help="report only; leave the checkpoint unchanged")
     parser.add_argument("--json", action="store_true", help="print one JSON line with the results last")
@@ -228,7 +232,7 @@ def run_calibrate(args: argparse.Namespace) -> dict:
     if not len(logits):
         raise DsparkError("no round verified any draft: use more prompts or a larger --max-new-tokens")
     temperatures = fit_sequential_temperatures(logits, outcomes, num_bins=args.num_bins,
-                                               min_rounds=args.min_rounds)
+                                               min_rounds=args.min_rounds, min_positives=args.min_positives)
     positions = position_reports(logits, outcomes, temperatures, args.num_bins)
     if args.plot:
         _plot(args.plot, logits, outcomes, temperatures, args.num_bins)
@@ -243,6 +247,7 @@ def run_calibrate(args: argparse.Namespace) -> dict:
         "num_rounds": int(len(logits)),
         "num_bins": args.num_bins,
         "min_rounds": args.min_rounds,
+        "min_positives": args.min_positives,
         "temperatures": [round(t, 5) for t in temperatures],
         "positions": [p.to_dict() for p in positions],
         "pooled": pooled_report(logits, outcomes, temperatures, args.num_bins),
