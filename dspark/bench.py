@@ -48,6 +48,11 @@ class MethodTally:
         return (self.accepted + self.rounds) / self.rounds if self.has_rounds and self.rounds else None
 
 
+def as_loaded(target: str | LoadedTarget) -> LoadedTarget:
+    """A target spec is loaded; an already loaded target (from `dspark report`) is reused."""
+    return target if isinstance(target, LoadedTarget) else load_target(target)
+
+
 def hf_generate(loaded: LoadedTarget, ids: torch.Tensor, max_new_tokens: int, **extra) -> list[int]:
     model = loaded.model
     with torch.inference_mode():
@@ -71,7 +76,7 @@ def ours(loaded: LoadedTarget, drafter, ids: torch.Tensor, max_new_tokens: int, 
 
 
 def run_speed_bench(args: argparse.Namespace) -> dict:
-    loaded = load_target(args.target)
+    loaded = as_loaded(args.target)
     prompts = load_prompts(args.dataset, args.num_prompts)
     drafters = {"ours_vanilla": load_drafter("none", loaded.model), "ours_ngram": load_drafter("ngram", loaded.model)}
     for spec in args.drafter or []:
@@ -149,7 +154,7 @@ def run_draft_bench(args: argparse.Namespace) -> dict:
     from dspark.drafters.checkpoint import embeddings_in_dtype
     from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
 
-    loaded = load_target(args.target)
+    loaded = as_loaded(args.target)
     gamma = args.block_size or 7
     prompt = load_prompts(args.dataset, 1)[0] if args.dataset else "Write a Python function that reverses a string."
     ids = prompt_ids(loaded, prompt)

@@ -5,7 +5,6 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from dspark.errors import DsparkError
 
@@ -132,6 +131,7 @@ def run_bench_draft(args: argparse.Namespace) -> None:
 
 def run_bench_load(args: argparse.Namespace) -> None:
     from dspark.bench_load import run_load_bench
+    from dspark.eval.datasets import default_dataset
     from dspark.scheduler import get_scheduler
 
     for policy in args.policy or []:
@@ -144,15 +144,6 @@ def run_bench_ragged(args: argparse.Namespace) -> None:
     from dspark.bench_load import run_ragged_bench
 
     run_ragged_bench(args)
-
-
-def default_dataset(name: str) -> Path:
-    """../shared/eval_datasets/<name>.jsonl next to the checkout, if it exists."""
-    for root in (Path.cwd(), *Path.cwd().parents):
-        path = root / "shared" / "eval_datasets" / f"{name}.jsonl"
-        if path.is_file():
-            return path
-    raise DsparkError(f"no shared/eval_datasets/{name}.jsonl above {Path.cwd()}; pass --dataset")
 
 
 def add_report_parser(subparsers) -> None:

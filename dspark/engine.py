@@ -183,8 +183,8 @@ class Engine:
         self._account(decoding, drafts, start, drafted, scheduled, end)
         self.stats.num_drafted += sum(len(d) for d in proposed)
         self.stats.num_generated += sum(len(tokens) for _, tokens in events)
-        for request in [r for r in self.running if r.finished or self._done(r)]:
-            self._finish(request, request.finish_reason or "length")
+        for request in [r for r in self.running if r.finish_reason is not None]:
+            self._finish(request, request.finish_reason)
         return events
 
     def _admit(self) -> None:
@@ -271,9 +271,6 @@ class Engine:
             request.finish_reason = "length"
         return tokens
 
-    def _done(self, request: Request) -> bool:
-        return request.finish_reason is not None
-
     def _finish(self, request: Request, reason: str) -> None:
         request.finished = True
         request.finish_reason = reason
@@ -295,7 +292,6 @@ class Engine:
         for request, draft in zip(decoding, drafts, strict=True):
             request.stats.draft_time += scheduled - start
             request.stats.verify_time += end - scheduled
-            request.stats.total_time = end - request.started
             stats.num_verified += len(draft)
             stats.num_accepted += request.stats.accepted_per_round[-1]
         if decoding:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from dspark.errors import DsparkError
-from dspark.target import TargetOutput, hf_hidden_index
+from dspark.target import TargetOutput
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 LOGITS_MODES = ("all", "last", "none")
@@ -174,8 +174,8 @@ class RaggedTarget:
 
         hidden = None
         if self.layer_ids:
-            if self.num_layers - 1 in features and hf_hidden_index(self.num_layers - 1) == self.num_layers:
-                features[self.num_layers - 1] = inner.norm(features[self.num_layers - 1])  # as HF reports it
+            if self.num_layers - 1 in features:  # HF reports the last layer's output after the final norm
+                features[self.num_layers - 1] = inner.norm(features[self.num_layers - 1])
             hidden = torch.cat([features[i] for i in self.layer_ids], -1)
         return self._outputs(segments, plan.offsets, sizes, inner.norm(x), hidden)
 

@@ -6,6 +6,15 @@ from pathlib import Path
 from dspark.errors import DsparkError
 
 
+def default_dataset(name: str) -> Path:
+    """shared/eval_datasets/<name>.jsonl in the working directory or one above it."""
+    for root in (Path.cwd(), *Path.cwd().parents):
+        path = root / "shared" / "eval_datasets" / f"{name}.jsonl"
+        if path.is_file():
+            return path
+    raise DsparkError(f"no shared/eval_datasets/{name}.jsonl above {Path.cwd()}; pass --dataset")
+
+
 def load_prompts(path: str | Path, num_prompts: int | None = None) -> list[str]:
     """First user turn of each record, in file order."""
     path = Path(path)

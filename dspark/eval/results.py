@@ -8,6 +8,7 @@ batch-1 speed benchmark with all methods interleaved per prompt.
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -75,8 +76,6 @@ def environment() -> dict:
 
 
 def _cpu_count() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -306,8 +305,8 @@ def add_report_parser(subparsers) -> None:
 
 
 def run_report(args: argparse.Namespace) -> dict:
-    from dspark.cli import default_dataset
     from dspark.drafters import load_drafter
+    from dspark.eval.datasets import default_dataset
     from dspark.loading import load_target
 
     if args.num_prompts <= 0 or args.max_new_tokens <= 0:
@@ -339,9 +338,9 @@ def run_report(args: argparse.Namespace) -> dict:
     data["thresholds"] = threshold_sweep(rounds) if any(r.survival for r in rounds) else None
     data["calibration"] = calibration_section(loaded, sweep_drafter, rounds, gamma, plot_dir / "reliability.png")
     if args.depth > 0:
-        data["depth"] = _depth_latency(args.target, args.depth, gamma)
+        data["depth"] = _depth_latency(loaded, args.depth, gamma)
     if args.speed_prompts > 0:
-        data["speed"] = _speed(args, paths, specs)
+        data["speed"] = _speed(args, loaded, paths, specs)
     data["discussion"] = DISCUSSION
     plot_sweeps(data, plot_dir)
     for report in data["acceptance"].values():
@@ -363,7 +362,7 @@ def _name_spec(text: str) -> tuple[str, str]:
     return name, spec
 
 
-def _depth_latency(target: str, max_layers: int, gamma: int) -> list[dict]:
+def _depth_latency(target, max_layers: int, gamma: int) -> list[dict]:
     from dspark.bench import run_draft_bench
 
     bench_args = argparse.Namespace(target=target, dataset=None, block_size=gamma, max_layers=max_layers,
@@ -373,12 +372,12 @@ def _depth_latency(target: str, max_layers: int, gamma: int) -> list[dict]:
              "ratio": report["drafters"][f"vanilla-{d}L"]["ratio_to_verify"]} for d in range(1, max_layers + 1)]
 
 
-def _speed(args: argparse.Namespace, paths: list[str], specs: dict) -> dict:
+def _speed(args: argparse.Namespace, loaded, paths: list[str], specs: dict) -> dict:
     from dspark.bench import run_speed_bench
 
     code = next((p for p in paths if "humaneval" in p or "mbpp" in p), paths[0])
     extra = [spec for name, spec in specs.items() if spec not in ("none", "ngram")]
-    bench_args = argparse.Namespace(target=args.target, dataset=code, num_prompts=args.speed_prompts,
+    bench_args = argparse.Namespace(target=loaded, dataset=code, num_prompts=args.speed_prompts,
                                     max_new_tokens=args.max_new_tokens, block_size=None, prompt_lookup_num_tokens=10,
                                     drafter=extra, scheduler="dspark", json=True)
     return run_speed_bench(bench_args)
