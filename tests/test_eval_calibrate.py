@@ -20,6 +20,7 @@ from dspark.eval.metrics import (
     accepted_length_histogram,
     conditional_acceptance,
     expected_calibration_error,
+    expected_tau,
     roc_auc,
     tau,
 )
@@ -73,6 +74,21 @@ def test_round_record_outcomes():
     assert record.cumulative_outcomes == [1, 1, 0, 0]
     assert record.survival == pytest.approx([0.5, 0.25, 0.125, 0.0625])
     assert RoundRecord(3, 3).conditional_outcomes == [1, 1, 1]
+    raw = RoundRecord(drafted=2, accepted=1, raw_logits=[0.0, math.log(3)])  # σ = 0.5, 0.75
+    assert raw.raw_survival == pytest.approx([0.5, 0.375])
+    assert RoundRecord(2, 1).raw_survival is None
+
+
+def test_expected_tau_from_survival():
+    # rounds: 1 + (0.5 + 0.25) and 1 + 0.9; an empty round (nothing drafted) expects only the bonus token
+    assert expected_tau([[0.5, 0.25], [0.9], []]) == pytest.approx((1.75 + 1.9 + 1.0) / 3)
+    assert expected_tau([]) is None
+    # perfectly calibrated survival reproduces τ in expectation: a_k = c^k, accept k with prob c^k - c^(k+1)
+    c, gamma = 0.6, 5
+    rng = np.random.default_rng(0)
+    accepted = [next((k for k in range(gamma) if rng.random() > c), gamma) for _ in range(20000)]
+    survival = [c ** np.arange(1, gamma + 1) for _ in accepted]
+    assert expected_tau(survival) == pytest.approx(tau(accepted), rel=0.02)
 
 
 def test_expected_calibration_error_by_hand():
@@ -244,6 +260,9 @@ def test_eval_end_to_end(tiny_dirs, tmp_path, capsys):
     assert len(report["position_acceptance"]) == GAMMA == report["block_size"]
     assert 0 < report["tokens_verified_per_round"] <= GAMMA
     assert report["confidence"]["count"] > 0 and 0 <= report["confidence"]["ece"] <= 1
+    # uncalibrated drafter: raw and calibrated expectations agree and stay within [1, 1 + γ]
+    assert report["expected_tau"] == report["expected_tau_raw"]
+    assert 1.0 <= report["expected_tau"] <= 1 + GAMMA
     assert report["time_s"]["draft"] > 0 and report["time_s"]["verify"] > 0
     for name in ("position_acceptance.png", "accepted_length_histogram.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"
@@ -305,12 +324,21 @@ def test_report_end_to_end(tiny_dirs, tmp_path, capsys):
     summary = run_cli(capsys, "report", "--target", tiny_dirs / "target", "--drafter", f"dspark={calibrated}",
                       "--drafter", "ngram=ngram", "--dataset", tiny_dirs / "gsm8k.jsonl", "--dataset",
                       tiny_dirs / "mbpp.jsonl", "--num-prompts", 2, "--max-new-tokens", 10, "--speed-prompts", 1,
-                      "--depth", 1, "--out", out)
+                      "--depth", 1, "--block-sizes", "2,5", "--out", out)
     text = out.read_text()
     for heading in ("Acceptance length", "Verify length", "Confidence threshold", "Calibration", "Batch-1 speed",
-                    "Depth"):
+                    "Depth", "Expected τ predicted by the confidences"):
         assert heading in text
     assert set(summary["tau"]) == {"dspark@T=0", "dspark@T=1", "ngram@T=0", "ngram@T=1"}
     names = {Path(p).name for p in summary["plots"]}
-    assert {"position_acceptance.png", "verify_length.png", "threshold_sweep.png", "reliability.png"} <= names
+    assert {"position_acceptance.png", "verify_length.png", "threshold_sweep.png", "reliability.png",
+            "block_size_latency.png"} <= names
+    assert "| 5 |" in text.split("Block size γ")[1]  # one latency row per requested γ
     assert f"{summary['tau']['dspark@T=0']:.3f}" in text
+
+
+@pytest.mark.parametrize("bad", ["4,x", "0,4"])
+def test_report_rejects_bad_block_sizes(bad, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", "--block-sizes", bad])
+    assert exit_info.value.code == 2 and "block sizes" in capsys.readouterr().err

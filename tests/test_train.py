@@ -27,7 +27,7 @@ from dspark.train.losses import (
     expected_tau,
     position_weights,
 )
-from dspark.train.trainer import DRAFTERS, STATE_FILE, checkpoints, train
+from dspark.train.trainer import DRAFTERS, STATE_FILE, checkpoints, loss_weights, train
 from dspark.verify import verify_sampled
 
 REPO = Path(__file__).resolve().parents[1]
@@ -248,6 +248,17 @@ def test_cli_parser_registers_train():
 def test_shipped_configs_load(name):
     config = load_config(REPO / "configs" / name)
     assert config.drafter_type == name.split("-")[1].removesuffix(".yaml")
+
+
+@pytest.mark.parametrize("drafter_type, expected", [("dspark", (0.1, 0.9, 1.0)), ("dflash", (1.0, 0.0, 0.0)),
+                                                     ("eagle3", (1.0, 0.0, 0.0)), ("mtp", (1.0, 0.0, 0.0))])
+def test_drafter_type_override_gets_its_own_loss(drafter_type, expected):
+    """`--config smollm2-dspark.yaml --drafter-type eagle3` must not train a baseline on DSpark's loss."""
+    config = load_config(REPO / "configs" / "smollm2-dspark.yaml", [], drafter_type=drafter_type)
+    weights = loss_weights(config)
+    assert (weights.ce, weights.tv, weights.conf) == pytest.approx(expected)
+    overridden = load_config(REPO / "configs" / "smollm2-dspark.yaml", ["ce_weight=1.0"], drafter_type=drafter_type)
+    assert loss_weights(overridden).ce == 1.0
 
 
 # -- the loop --------------------------------------------------------------------------------------

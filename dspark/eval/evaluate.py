@@ -25,6 +25,7 @@ from dspark.eval.metrics import (
     accepted_length_histogram,
     conditional_acceptance,
     expected_calibration_error,
+    expected_tau,
     roc_auc,
     tau,
 )
@@ -123,6 +124,8 @@ def summarise(rollouts: Sequence[PromptRollout], block_size: int) -> dict:
         "position_acceptance": _pad([_round(r) for r in positions.rates], length, None),
         "position_attempts": _pad(positions.attempts, length, 0),
         "confidence": confidence_summary(rollouts),
+        "expected_tau": _round(expected_tau([r.survival for r in rounds if r.survival is not None])),
+        "expected_tau_raw": _round(expected_tau([r.raw_survival for r in rounds if r.raw_survival is not None])),
         "time_s": {"total": _round(total_time), "prefill": _round(sum(s.prefill_time for s in stats)),
                    "draft": _round(draft_time), "verify": _round(verify_time)},
         "draft_ms_per_round": _round(draft_time * per_round_ms, 3),
@@ -248,3 +251,6 @@ def _print_table(report: dict, out) -> None:
               f"{row['tokens_verified_per_round']:>9.2f}  {positions}", file=out)
     print(f"draft {report['draft_ms_per_round']:.2f} ms/round, verify {report['verify_ms_per_round']:.2f} ms/round",
           file=out)
+    if report["expected_tau"] is not None:
+        print(f"expected tau from the confidences {report['expected_tau']:.3f} (raw {report['expected_tau_raw']:.3f})"
+              f" vs measured {report['tau']:.3f}", file=out)

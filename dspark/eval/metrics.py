@@ -24,6 +24,15 @@ def tau(accepted: Sequence[int]) -> float:
     return float(np.mean(accepted)) + 1.0 if len(accepted) else 0.0
 
 
+def expected_tau(survivals: Sequence[Sequence[float]]) -> float | None:
+    """Mean over rounds of 1 + Σ_k a_k, the acceptance length the confidences predict (a_k = P(drafts
+    1..k all survive)); compared with the measured τ it says whether the scheduler's inputs are honest.
+    None when no round has confidences."""
+    if not survivals:
+        return None
+    return float(np.mean([1.0 + float(np.sum(a)) for a in survivals]))
+
+
 def accepted_length_histogram(accepted: Sequence[int], max_length: int | None = None) -> list[int]:
     """counts[n] = number of rounds that accepted exactly n drafts, n = 0..max_length."""
     top = max(accepted, default=0) if max_length is None else max_length

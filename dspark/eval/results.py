@@ -198,6 +198,13 @@ def render(data: dict) -> str:
                 "verification forward (τ per depth needs one trained drafter per depth; see docs/training.md).",
                 "", _table(["layers", "draft ms", "draft / verify"],
                            [[d["layers"], d["draft_ms"], d["ratio"]] for d in data["depth"]])]
+    if data.get("block_sizes"):
+        out += ["", "Block size γ (paper Fig. 4): draft time of a whole block of γ tokens (untrained 1-layer "
+                "DSpark drafter with the shipped rank; latency does not depend on the weights) against one "
+                "verification forward of γ + 1 tokens. τ beyond the shipped γ = 7 needs drafters trained for "
+                "those blocks.", "", "![block size](results/block_size_latency.png)", "",
+                _table(["γ", "draft ms", "verify ms (γ+1 tokens)", "draft / verify"],
+                       [[r["block_size"], r["draft_ms"], r["verify_ms"], r["ratio"]] for r in data["block_sizes"]])]
     if data.get("thresholds"):
         out += ["", "## Confidence threshold (paper Fig. 5)", "",
                 "Static cut 'verify while a_k ≥ t', replayed from the same rounds: fewer drafts verified per "
@@ -218,6 +225,13 @@ def render(data: dict) -> str:
                 _table(["k", "n", "ECE raw", "ECE calibrated", "AUC raw", "AUC calibrated"],
                        [[p["position"], p["count"], p["ece_before"], p["ece_after"], p["auc_before"],
                          p["auc_after"]] for p in cal["positions"]])]
+    expected = [[name, r["tau"], r["expected_tau_raw"], r["expected_tau"], r["expected_tau"] / r["tau"] - 1]
+                for name, r in acceptance.items() if r.get("expected_tau") is not None]
+    if expected:
+        out += ["", "Expected τ predicted by the confidences (1 + Σ_k a_k per round, averaged) against the measured "
+                "τ of the same rounds; the scheduler plans with these a_k.", "",
+                _table(["drafter", "measured τ", "expected τ raw", "expected τ calibrated", "calibrated error"],
+                       expected)]
     if data.get("speed"):
         speed = data["speed"]
         out += ["", "## Batch-1 speed (greedy, code prompts)", "",
@@ -265,6 +279,17 @@ def plot_sweeps(data: dict, plot_dir: Path) -> None:
     fig.legend(loc="upper left", fontsize=8)
     _save(fig, plot_dir / "verify_length.png")
     plt.close(fig)
+    if data.get("block_sizes"):
+        fig, ax = plt.subplots(figsize=(5.5, 3.5))
+        rows = data["block_sizes"]
+        sizes = [r["block_size"] for r in rows]
+        ax.plot(sizes, [r["draft_ms"] for r in rows], marker="o", label="draft (γ tokens)")
+        ax.plot(sizes, [r["verify_ms"] for r in rows], marker="s", label="verify (γ + 1 tokens)")
+        ax.set_xlabel("block size γ")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=8)
+        _save(fig, plot_dir / "block_size_latency.png")
+        plt.close(fig)
     if data.get("thresholds"):
         fig, ax = plt.subplots(figsize=(5.5, 3.5))
         rows = data["thresholds"]
@@ -298,6 +323,8 @@ def add_report_parser(subparsers) -> None:
                         help="sampling temperatures for τ (repeatable; default 0 and 1)")
     parser.add_argument("--speed-prompts", type=int, default=4, help="code prompts for the speed table (0 = skip)")
     parser.add_argument("--depth", type=int, default=5, help="time untrained drafters of 1..N layers (0 = skip)")
+    parser.add_argument("--block-sizes", type=_block_sizes, default=[4, 6, 8, 10, 12, 14, 16],
+                        help="comma-separated γ for the draft-latency sweep ('' = skip)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs/RESULTS.md")
     parser.add_argument("--plot-dir", default=None, help="default: a results/ folder next to --out")
@@ -339,6 +366,8 @@ def run_report(args: argparse.Namespace) -> dict:
     data["calibration"] = calibration_section(loaded, sweep_drafter, rounds, gamma, plot_dir / "reliability.png")
     if args.depth > 0:
         data["depth"] = _depth_latency(loaded, args.depth, gamma)
+    if args.block_sizes:
+        data["block_sizes"] = _block_size_latency(loaded, args.block_sizes)
     if args.speed_prompts > 0:
         data["speed"] = _speed(args, loaded, paths, specs)
     data["discussion"] = DISCUSSION
@@ -353,6 +382,16 @@ def run_report(args: argparse.Namespace) -> dict:
         summary["speedup_vs_hf"] = {n: m["speedup_vs_hf"] for n, m in data["speed"]["methods"].items()}
     print(json.dumps(summary))
     return data
+
+
+def _block_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated block sizes, got {text!r}") from None
+    if any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(f"block sizes must be >= 1, got {text!r}")
+    return sizes
 
 
 def _name_spec(text: str) -> tuple[str, str]:
@@ -370,6 +409,22 @@ def _depth_latency(target, max_layers: int, gamma: int) -> list[dict]:
     report = run_draft_bench(bench_args)
     return [{"layers": d, "draft_ms": report["drafters"][f"vanilla-{d}L"]["draft_ms"],
              "ratio": report["drafters"][f"vanilla-{d}L"]["ratio_to_verify"]} for d in range(1, max_layers + 1)]
+
+
+def _block_size_latency(target, block_sizes: list[int]) -> list[dict]:
+    """Draft time of a full block of γ tokens (untrained 1-layer DSpark drafter, rank 64: latency does
+    not depend on the weights) against one verification forward of γ + 1 tokens, per γ (Fig. 4)."""
+    from dspark.bench import run_draft_bench
+
+    rows = []
+    for gamma in block_sizes:
+        bench_args = argparse.Namespace(target=target, dataset=None, block_size=gamma, max_layers=1,
+                                        markov_rank=64, repeats=9, dtype="auto")
+        report = run_draft_bench(bench_args)
+        draft = report["drafters"]["vanilla-1L"]
+        rows.append({"block_size": gamma, "draft_ms": draft["draft_ms"], "verify_ms": report["verify_ms"],
+                     "ratio": draft["ratio_to_verify"]})
+    return rows
 
 
 def _speed(args: argparse.Namespace, loaded, paths: list[str], specs: dict) -> dict:

@@ -53,6 +53,13 @@ class RoundRecord:
             return None
         return torch.tensor(self.confidence, dtype=torch.float64).cumprod(0).tolist()
 
+    @property
+    def raw_survival(self) -> list[float] | None:
+        """a_k before calibration: Π_{i≤k} σ(z_i)."""
+        if self.raw_logits is None:
+            return None
+        return torch.tensor(self.raw_logits, dtype=torch.float64).sigmoid().cumprod(0).tolist()
+
 
 @dataclass
 class PromptRollout:
