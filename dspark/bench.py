@@ -12,6 +12,7 @@ import torch
 
 from dspark.api import effective_block_size, eos_token_ids, prompt_ids, scheduler_for, single_request_target
 from dspark.drafters import load_drafter
+from dspark.errors import DsparkError
 from dspark.eval.datasets import load_prompts
 from dspark.generation import GenerationStats, speculative_decode
 from dspark.loading import LoadedTarget, load_target
@@ -75,12 +76,23 @@ def ours(loaded: LoadedTarget, drafter, ids: torch.Tensor, max_new_tokens: int, 
     return tokens, stats
 
 
+def method_name(text: str) -> tuple[str, str]:
+    """'NAME=SPEC' -> ('ours_NAME', SPEC); a bare spec is named after its last path component."""
+    name, sep, spec = text.partition("=")
+    if sep and name and spec and "/" not in name:
+        return f"ours_{name}", spec
+    return f"ours_{text.rstrip('/').split('/')[-1]}", text
+
+
 def run_speed_bench(args: argparse.Namespace) -> dict:
     loaded = as_loaded(args.target)
     prompts = load_prompts(args.dataset, args.num_prompts)
     drafters = {"ours_vanilla": load_drafter("none", loaded.model), "ours_ngram": load_drafter("ngram", loaded.model)}
-    for spec in args.drafter or []:
-        drafters[f"ours_{spec.rstrip('/').split('/')[-1]}"] = load_drafter(spec, loaded.model)
+    for text in args.drafter or []:
+        name, spec = method_name(text)
+        if name in drafters:
+            raise DsparkError(f"two drafters are both named {name!r}: name them with NAME=SPEC")
+        drafters[name] = load_drafter(spec, loaded.model)
     methods = {
         "hf_vanilla": lambda ids: (hf_generate(loaded, ids, args.max_new_tokens), None),
         "hf_prompt_lookup": lambda ids: (hf_generate(

@@ -73,7 +73,7 @@ def add_bench_parser(subparsers) -> None:
     speed = bench.add_parser("speed", help="batch-1 greedy speed, all methods interleaved per prompt")
     speed.add_argument("--target", default="default")
     speed.add_argument("--drafter", action="append", default=None,
-                       help="extra drafter(s) to include besides vanilla/ngram (repeatable)")
+                       help="extra drafter(s) besides vanilla/ngram, SPEC or NAME=SPEC (repeatable)")
     speed.add_argument("--dataset", required=True, help="JSONL with {'turns': [...]} per line")
     speed.add_argument("--num-prompts", type=_positive_int, default=5)
     speed.add_argument("--max-new-tokens", type=_positive_int, default=128)

@@ -342,3 +342,18 @@ def test_report_rejects_bad_block_sizes(bad, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["report", "--block-sizes", bad])
     assert exit_info.value.code == 2 and "block sizes" in capsys.readouterr().err
+
+
+def test_speed_method_names():
+    from dspark.bench import method_name
+
+    assert method_name("dflash=runs/dflash/final") == ("ours_dflash", "runs/dflash/final")
+    assert method_name("runs/dflash/final/") == ("ours_final", "runs/dflash/final/")
+    assert method_name("/data/a=b/ckpt") == ("ours_ckpt", "/data/a=b/ckpt")  # '=' inside a path is not a name
+
+
+def test_speed_bench_refuses_two_drafters_with_one_name(tiny_dirs, capsys):
+    drafter = str(tiny_dirs / "drafter")
+    assert main(["bench", "speed", "--target", str(tiny_dirs / "target"), "--dataset", str(tiny_dirs / "mbpp.jsonl"),
+                 "--drafter", drafter, "--drafter", drafter]) == 2
+    assert "both named" in capsys.readouterr().err

@@ -431,7 +431,7 @@ def _speed(args: argparse.Namespace, loaded, paths: list[str], specs: dict) -> d
     from dspark.bench import run_speed_bench
 
     code = next((p for p in paths if "humaneval" in p or "mbpp" in p), paths[0])
-    extra = [spec for name, spec in specs.items() if spec not in ("none", "ngram")]
+    extra = [f"{name}={spec}" for name, spec in specs.items() if spec not in ("none", "ngram")]
     bench_args = argparse.Namespace(target=loaded, dataset=code, num_prompts=args.speed_prompts,
                                     max_new_tokens=args.max_new_tokens, block_size=None, prompt_lookup_num_tokens=10,
                                     drafter=extra, scheduler="dspark", json=True)
