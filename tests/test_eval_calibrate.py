@@ -79,6 +79,18 @@ def test_round_record_outcomes():
     assert RoundRecord(2, 1).raw_survival is None
 
 
+def test_expected_tau_needs_confidences():
+    from dspark.eval.evaluate import summarise
+    from dspark.eval.rollout import PromptRollout
+
+    rounds = [RoundRecord(3, 1), RoundRecord(0, 0, confidence=[], raw_logits=[])]  # no head: only [] when idle
+    summary = summarise([PromptRollout("x", rounds, GenerationStats())], 3)
+    assert summary["expected_tau"] is None and summary["expected_tau_raw"] is None
+    rounds.append(RoundRecord(2, 2, confidence=[0.5, 0.5], raw_logits=[0.0, 0.0]))
+    summary = summarise([PromptRollout("x", rounds, GenerationStats())], 3)
+    assert summary["expected_tau"] == pytest.approx((1.0 + 1.75) / 2)
+
+
 def test_expected_tau_from_survival():
     # rounds: 1 + (0.5 + 0.25) and 1 + 0.9; an empty round (nothing drafted) expects only the bonus token
     assert expected_tau([[0.5, 0.25], [0.9], []]) == pytest.approx((1.75 + 1.9 + 1.0) / 3)

@@ -257,6 +257,13 @@ DISCUSSION = (
     "On this CPU one verification forward of 8 tokens costs about 1.1–1.9× one of a single token, so the physical "
     "ceiling of speculative decoding is about 4–7× at τ = 8; at τ ≈ 1.4 with a draft costing ~10% of a verify, "
     "speculation cannot pay for itself yet, which the speed table shows honestly. The 2× target needs τ ≳ 3."
+    " Drafters passed with --drafter beyond the shipped one are compared at whatever budget they were trained "
+    "with (docs/training.md records the budget-matched DSpark / DFlash / EAGLE-3 / MTP-1 runs). At a budget this "
+    "small the autoregressive baselines, which read the target's previous hidden state directly, accept more than"
+    " the block drafters, and DSpark's sequential head adds little over DFlash; the paper's latency argument does"
+    " carry over: a DSpark block costs one parallel forward and one LM-head pass, while EAGLE-3 and MTP-1 pay γ "
+    "sequential steps, each with a full V-wide LM head (they also draft in the target's float32 here, DSpark in "
+    "bfloat16), so their draft time per round is several times larger."
 )
 
 
