@@ -79,16 +79,30 @@ def test_round_record_outcomes():
     assert RoundRecord(2, 1).raw_survival is None
 
 
-def test_expected_tau_needs_confidences():
-    from dspark.eval.evaluate import summarise
-    from dspark.eval.rollout import PromptRollout
+@pytest.mark.parametrize("with_confidence", [False, True])
+def test_expected_tau_needs_confidences(with_confidence):
+    """Rounds that verified nothing count as predicting τ = 1 only for a drafter that has confidences."""
+    from types import SimpleNamespace
 
-    rounds = [RoundRecord(3, 1), RoundRecord(0, 0, confidence=[], raw_logits=[])]  # no head: only [] when idle
-    summary = summarise([PromptRollout("x", rounds, GenerationStats())], 3)
-    assert summary["expected_tau"] is None and summary["expected_tau_raw"] is None
-    rounds.append(RoundRecord(2, 2, confidence=[0.5, 0.5], raw_logits=[0.0, 0.0]))
-    summary = summarise([PromptRollout("x", rounds, GenerationStats())], 3)
-    assert summary["expected_tau"] == pytest.approx((1.0 + 1.75) / 2)
+    from dspark.eval.evaluate import summarise
+    from dspark.eval.rollout import PromptRollout, RecordingDrafter
+
+    confidence = torch.tensor([0.5, 0.5]) if with_confidence else None
+    inner = SimpleNamespace(target_layer_ids=(), vocab_size=8, max_block_size=None,
+                            propose=lambda *args: Draft(torch.tensor([1, 2]), None, confidence))
+    stats = GenerationStats()
+    recorder = RecordingDrafter(inner, stats)
+    stats.record_round(0, 0)  # budget 0: propose never called
+    recorder.propose(None, None, 2, None, None)
+    stats.record_round(2, 2)
+    rounds = recorder.records()
+    summary = summarise([PromptRollout("x", rounds, stats)], 2)
+    if with_confidence:
+        assert [r.confidence for r in rounds] == [[], [0.5, 0.5]]
+        assert summary["expected_tau"] == pytest.approx((1.0 + 1.75) / 2)
+    else:
+        assert [r.confidence for r in rounds] == [None, None]
+        assert summary["expected_tau"] is None and summary["expected_tau_raw"] is None
 
 
 def test_expected_tau_from_survival():

@@ -101,13 +101,6 @@ def confidence_summary(rollouts: Sequence[PromptRollout], num_bins: int = 10) ->
             "mean_observed": _round(np.mean(outcomes))}
 
 
-def _scored(survivals: list[list[float] | None]) -> list[list[float]]:
-    """The rounds' a_k, or nothing when the drafter never gave confidences (its rounds that verified
-    nothing carry [] like everybody's and must not count as predicting τ = 1)."""
-    present = [a for a in survivals if a is not None]
-    return present if any(present) else []
-
-
 def summarise(rollouts: Sequence[PromptRollout], block_size: int) -> dict:
     """Every metric of one group of rollouts (a dataset, a domain, or all)."""
     rounds = [record for rollout in rollouts for record in rollout.rounds]
@@ -131,8 +124,8 @@ def summarise(rollouts: Sequence[PromptRollout], block_size: int) -> dict:
         "position_acceptance": _pad([_round(r) for r in positions.rates], length, None),
         "position_attempts": _pad(positions.attempts, length, 0),
         "confidence": confidence_summary(rollouts),
-        "expected_tau": _round(expected_tau(_scored([r.survival for r in rounds]))),
-        "expected_tau_raw": _round(expected_tau(_scored([r.raw_survival for r in rounds]))),
+        "expected_tau": _round(expected_tau([r.survival for r in rounds if r.survival is not None])),
+        "expected_tau_raw": _round(expected_tau([r.raw_survival for r in rounds if r.raw_survival is not None])),
         "time_s": {"total": _round(total_time), "prefill": _round(sum(s.prefill_time for s in stats)),
                    "draft": _round(draft_time), "verify": _round(verify_time)},
         "draft_ms_per_round": _round(draft_time * per_round_ms, 3),

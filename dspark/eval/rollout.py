@@ -135,12 +135,14 @@ class RecordingDrafter(DrafterWrapper):
 
     def records(self, dataset: str = "") -> list[RoundRecord]:
         stats = self.stats
+        # a round that verified nothing predicts nothing ([]), but only a drafter with confidences predicts
+        scored = any(draft.confidence is not None for draft, _ in self.drafts.values())
         rounds = []
         for index, (drafted, accepted) in enumerate(zip(stats.drafted_per_round, stats.accepted_per_round,
                                                         strict=True)):
             draft, raw = self.drafts.get(index, (None, None))
-            confidence = [] if drafted == 0 else None  # nothing verified: nothing to predict
-            raw_logits = [] if drafted == 0 else None
+            confidence = [] if drafted == 0 and scored else None
+            raw_logits = [] if drafted == 0 and scored else None
             if draft is not None and draft.confidence is not None:
                 confidence = draft.confidence[:drafted].float().cpu().tolist()
             if raw is not None:
