@@ -45,13 +45,50 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(_outside_nucleus(logits, params.top_p), float("-inf"))
     return logits.softmax(-1)
+
+
+NUCLEUS_CANDIDATES = 256
+
+
+def _outside_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """True where a token lies outside the top-p nucleus (the smallest prefix of the sorted
+    distribution whose mass reaches top_p; a token is dropped when the mass before it is >= top_p).
+
+    A full sort of a 49k vocabulary per row dominates a batched sampling step on a CPU, so the nucleus
+    is first looked for among the top NUCLEUS_CANDIDATES tokens; when their mass reaches top_p in every
+    row, everything outside is dropped by the same rule, so the result equals the full sort's (up to
+    the order of exactly tied logits). Otherwise the full sort decides."""
+    vocab = logits.shape[-1]
+    if NUCLEUS_CANDIDATES < vocab:
+        top_probs, order = torch.topk(logits.softmax(-1), NUCLEUS_CANDIDATES, dim=-1)
+        if bool((top_probs.sum(-1) >= top_p).all()):
+            drop_top = top_probs.cumsum(-1) - top_probs >= top_p
+            drop = torch.ones_like(logits, dtype=torch.bool)
+            return drop.scatter(-1, order, drop_top)
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(-1)
+    drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `logits` (R, V), distributed exactly as `sample(probabilities(logits, params))`.
+
+    For batched generation (self-distillation) the full-vocabulary multinomial and masking cost more
+    than the model's forward on a CPU; with top-p and no top-k the nucleus is almost always inside a
+    short list of candidates, so the draw is made there. Falls back to the full path otherwise."""
+    if params.greedy:
+        return logits.argmax(-1)
+    if params.top_k == 0 and params.top_p < 1.0 and NUCLEUS_CANDIDATES < logits.shape[-1]:
+        probs = (logits.float() / params.temperature).softmax(-1)
+        top_probs, order = torch.topk(probs, NUCLEUS_CANDIDATES, dim=-1)
+        if bool((top_probs.sum(-1) >= params.top_p).all()):
+            keep = top_probs.cumsum(-1) - top_probs < params.top_p
+            choice = torch.multinomial(top_probs * keep, 1, generator=generator)
+            return order.gather(-1, choice).squeeze(-1)
+    return sample(probabilities(logits, params), generator)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from dspark import batch_decode
+from dspark.sampling import SamplingParams, sample_tokens
 from dspark.train.data import DataError, Prompt
 
 # SmolLM2-Instruct's model card recommends temperature 0.2, top-p 0.9.
@@ -127,20 +129,54 @@ def generate_batch(
     stop = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
     ids, mask = left_pad(rows, pad_id)
-    kwargs: dict[str, Any] = {"max_new_tokens": sampling.max_new_tokens, "pad_token_id": pad_id,
-                              "eos_token_id": stop or None}
-    if sampling.temperature > 0:
-        kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=None)
-    else:
-        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    torch.manual_seed(seed)
+    params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p if sampling.temperature else 1.0)
+    generator = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
-        output = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        decode = batch_decode.decode_rows if batch_decode.supports_batch_decode(model) else decode_rows_hf
+        produced = decode(model, ids, mask, sampling.max_new_tokens, params, generator, stop)
     answers = []
-    for row in output[:, ids.shape[1] :].tolist():
-        end = next((i for i, token in enumerate(row) if token in stop), None)
-        answers.append((row if end is None else row[: end + 1], end is not None))
+    for row in produced:
+        finished = bool(row) and row[-1] in stop
+        answers.append((row, finished))
     return answers
+
+
+def decode_rows_hf(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    max_new_tokens: int,
+    params: SamplingParams,
+    generator: torch.Generator,
+    stop: list[int],
+) -> list[list[int]]:
+    """`batch_decode.decode_rows` for any HF causal LM (through its own forward and dynamic cache)."""
+    cache = DynamicCache(config=model.config)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    rows = torch.arange(ids.shape[0])  # original row of each live cache row
+    produced: list[list[int]] = [[] for _ in range(ids.shape[0])]
+    done = torch.zeros(ids.shape[0], dtype=torch.bool)
+    stop_ids = torch.tensor(stop, dtype=torch.long)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    last = positions[:, -1]
+    for step in range(max_new_tokens):
+        tokens = sample_tokens(logits, params, generator)
+        for row, token, finished in zip(rows.tolist(), tokens.tolist(), done.tolist(), strict=True):
+            if not finished:
+                produced[row].append(token)
+        done |= torch.isin(tokens, stop_ids)
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        if int(done.sum()) * 8 >= len(rows):
+            keep = (~done).nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            rows, tokens, mask, last, done = rows[keep], tokens[keep], mask[keep], last[keep], done[keep]
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+        last = last + 1
+        logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=last[:, None],
+                       past_key_values=cache, use_cache=True).logits[:, -1]
+    return produced
 
 
 def batch_seed(seed: int, ids: list[str]) -> int:
@@ -158,16 +194,18 @@ def regenerate(
     limit: int | None = None,
     seed: int = 0,
     window: int | None = None,
+    skip_ids: set[str] | None = None,
 ) -> RegenerateStats:
     """Answer every prompt not yet in `out_path` (at most `limit` of them this run), appending one
     `{"id", "source", "messages": [..., assistant], "num_tokens", "finished", "prompt_ids", "answer_ids"}`
-    line per sample (`finished`: the answer ended with EOS rather than at `max_new_tokens`)."""
+    line per sample (`finished`: the answer ended with EOS rather than at `max_new_tokens`). Prompts whose ids
+    are in `skip_ids` (e.g. those of a committed corpus) count as done already."""
     sampling = sampling or recommended_sampling(model)
     if tokenizer.chat_template is None:
         raise DataError("the target's tokenizer has no chat template")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = completed_ids(out_path)
+    done = completed_ids(out_path) | (skip_ids or set())
     stats = RegenerateStats(done_before=sum(p.id in done for p in prompts))
     todo = [p for p in prompts if p.id not in done][:limit]
     rows = [prompt_token_ids(tokenizer, p) for p in todo]
