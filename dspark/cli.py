@@ -115,6 +115,9 @@ def add_bench_parser(subparsers) -> None:
     ragged.add_argument("--tokens-per-request", type=_positive_int, default=8)
     ragged.add_argument("--repeats", type=_positive_int, default=7)
     ragged.set_defaults(handler=run_bench_ragged)
+    from dspark.train.bench_train import add_bench_train_parser
+
+    add_bench_train_parser(bench)
 
 
 def run_bench_speed(args: argparse.Namespace) -> None:

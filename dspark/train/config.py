@@ -28,7 +28,9 @@ class TrainConfig:
     init_from: str | None = None  # DSpark/DFlash: start from this drafter checkpoint (fine-tune on new data)
     # -- target and data -----------------------------------------------------------------------
     target: str = "default"
-    data: str = ""  # JSONL of {"messages": [user, assistant]} or {"prompt_ids", "answer_ids"}
+    data: str = ""  # corpus (.safetensors, `dspark data pack`) or JSONL of {"messages": [...]} / {"prompt_ids", ...}
+    feature_cache: str | None = None  # directory of `dspark data features` for `data`: the target never runs
+    draft_vocab_size: int | None = None  # DSpark/DFlash: draft LM head over the N most frequent answer tokens
     heldout_fraction: float = 0.02
     max_eval_sequences: int = 64
     seq_len: int = 512
@@ -46,6 +48,7 @@ class TrainConfig:
     tv_weight: float | None = None
     conf_weight: float | None = None
     decay_lambda: float = 4.0  # λ of the position weights w_k = exp(-(k-1)/λ)
+    ce_first_steps: int = 0  # steps of cross-entropy (+ confidence BCE) before the configured mix
     # -- run -----------------------------------------------------------------------------------
     seed: int = 0
     output_dir: str = "runs/dspark"
@@ -81,6 +84,8 @@ class TrainConfig:
                 raise DsparkError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
         if self.autocast not in ("none", "bfloat16", "float16"):
             raise DsparkError(f"autocast must be none, bfloat16 or float16, got {self.autocast!r}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
+            raise DsparkError(f"draft_vocab_size must be >= 2, got {self.draft_vocab_size}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise DsparkError(f"device must be auto, cpu or cuda, got {self.device!r}")
 

@@ -112,3 +112,84 @@ def expected_tau(tv: torch.Tensor, valid: torch.Tensor | None = None) -> torch.T
         return taus.mean()
     keep = valid.any(-1)
     return taus[keep].mean() if keep.any() else taus.new_tensor(1.0)
+
+
+@dataclass
+class TopKTeacher:
+    """The target's next-token distribution as cached: its k most likely ids (..., k), their logits
+    (..., k) and the logsumexp of the full logits (...,). p is exact on the top-k; the rest of the
+    vocabulary is one tail bucket of mass 1 - Σ p_top."""
+
+    ids: torch.Tensor
+    logits: torch.Tensor
+    logsumexp: torch.Tensor
+
+    def probs(self) -> torch.Tensor:
+        return (self.logits.float() - self.logsumexp.float()[..., None]).exp()
+
+    @property
+    def argmax(self) -> torch.Tensor:
+        return self.ids[..., 0]
+
+
+def topk_l1_distance(log_q: torch.Tensor, teacher: TopKTeacher, target_to_draft: torch.Tensor | None) -> torch.Tensor:
+    """‖q − p‖₁ with the vocabulary coarsened to the teacher's top-k ids plus one tail bucket, for draft
+    log-probabilities log_q (..., V_d) over the draft vocabulary (`target_to_draft` maps target ids to draft
+    ids, -1 outside; None = the full vocabulary). A lower bound of the full L1 that equals it when the
+    top-k covers every token either distribution puts mass on (and exactly when k = V)."""
+    ids = teacher.ids if target_to_draft is None else target_to_draft[teacher.ids]
+    inside = ids >= 0
+    q_top = log_q.gather(-1, ids.clamp_min(0)).exp() * inside
+    p_top = teacher.probs()
+    q_tail = (1.0 - q_top.sum(-1)).clamp_min(0.0)
+    p_tail = (1.0 - p_top.sum(-1)).clamp_min(0.0)
+    return (q_top - p_top).abs().sum(-1) + (q_tail - p_tail).abs()
+
+
+def topk_block_loss(
+    logits: torch.Tensor,
+    teacher: TopKTeacher,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    confidence_logits: torch.Tensor | None = None,
+    weights: LossWeights = DSPARK_WEIGHTS,
+    decay: float = 4.0,
+    normalizer: torch.Tensor | float | None = None,
+    target_to_draft: torch.Tensor | None = None,
+) -> LossOutput:
+    """`block_loss` against a cached top-k teacher instead of the target's full logits: the draft side
+    needs one log-softmax over its own (possibly reduced) vocabulary, the teacher side none.
+    logits (..., γ, V_d); labels (..., γ) target ids (a label outside the draft vocabulary adds no CE:
+    the draft cannot name it; its mass still counts against q in the L1 term)."""
+    w = position_weights(logits.shape[-2], decay, logits.device) * valid.float()
+    weight_sum = w.sum()
+    norm = weight_sum.clamp_min(1e-6) if normalizer is None else normalizer
+
+    log_q = F.log_softmax(logits.float(), -1)
+    draft_labels = labels if target_to_draft is None else target_to_draft[labels.clamp_min(0)]
+    nameable = draft_labels >= 0
+    ce = -log_q.gather(-1, draft_labels.clamp_min(0)[..., None]).squeeze(-1) * nameable
+    ce_term = (ce * w).sum() / norm
+
+    l1 = topk_l1_distance(log_q, teacher, target_to_draft)
+    tv_term = (l1 * w).sum() / norm
+    soft_label = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
+
+    conf_term = ce_term.new_zeros(())
+    if confidence_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), soft_label, reduction="none")
+        conf_term = (bce * w).sum() / norm
+
+    total = weights.ce * ce_term + weights.tv * tv_term + weights.conf * conf_term
+    accept = (soft_label * w).sum() / norm
+    return LossOutput(total, ce_term.detach(), tv_term.detach(), conf_term.detach(), accept.detach(),
+                      weight_sum.detach(), soft_label)
+
+
+def greedy_accepts(logits: torch.Tensor, teacher: TopKTeacher, draft_to_target: torch.Tensor | None) -> torch.Tensor:
+    """Whether the draft's argmax (mapped to a target id) is the target's argmax, (..., γ): the
+    acceptance of each position at T = 0, teacher-forced."""
+    choice = logits.argmax(-1)
+    if draft_to_target is not None:
+        choice = draft_to_target[choice]
+    return choice == teacher.argmax

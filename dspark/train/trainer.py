@@ -33,9 +33,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dspark.errors import DsparkError
 from dspark.train.anchors import anchor_seed, block_labels, sample_anchors, target_positions
+from dspark.train.cached_data import CachedBatch, CachedExample, cached_examples, make_cached_batch, token_counts
 from dspark.train.config import TrainConfig
+from dspark.train.feature_cache import FeatureCache, FeatureCacheError
 from dspark.train.features import TargetFeatures
-from dspark.train.losses import DFLASH_WEIGHTS, DSPARK_WEIGHTS, LossWeights, block_loss, block_tau, position_weights
+from dspark.train.losses import (
+    DFLASH_WEIGHTS,
+    DSPARK_WEIGHTS,
+    LossWeights,
+    block_loss,
+    block_tau,
+    greedy_accepts,
+    position_weights,
+    topk_block_loss,
+)
 
 STATE_FILE = "trainer_state.pt"
 LOG_FILE = "train_log.jsonl"
@@ -70,6 +81,8 @@ def _dspark_build(config: TrainConfig, target: nn.Module, dflash: bool = False) 
         overrides["target_layer_ids"] = tuple(config.target_layer_ids)
     if config.mask_token_id is not None:
         overrides["mask_token_id"] = config.mask_token_id
+    if config.draft_vocab_size is not None:
+        overrides["draft_vocab_size"] = config.draft_vocab_size
     try:
         drafter_config = DSparkConfig.for_target(target.config, **overrides)
     except ValueError as error:
@@ -227,13 +240,19 @@ class BlockForward(nn.Module):
         return self.blocks(self.drafter, features, input_ids, anchors)
 
 
-def loss_weights(config: TrainConfig) -> LossWeights:
+def loss_weights(config: TrainConfig, step: int | None = None) -> LossWeights:
+    """The loss mix of `step`: the drafter type's default unless overridden; during the first
+    `ce_first_steps` steps cross-entropy alone (plus the confidence BCE), because far from the teacher
+    the L1 term is saturated near 2 and gives almost no gradient."""
     default = DRAFTERS[config.drafter_type].weights
-    return LossWeights(
+    weights = LossWeights(
         default.ce if config.ce_weight is None else config.ce_weight,
         default.tv if config.tv_weight is None else config.tv_weight,
         default.conf if config.conf_weight is None else config.conf_weight,
     )
+    if step is not None and step < config.ce_first_steps:
+        return LossWeights(1.0, 0.0, weights.conf)
+    return weights
 
 
 # -- data --------------------------------------------------------------------------------------
@@ -537,15 +556,19 @@ class Run:
 
     config: TrainConfig
     dist: Dist
-    features: TargetFeatures
+    features: TargetFeatures | None  # online teacher (None with a feature cache)
     weights: LossWeights
     pad_id: int
+    cache: FeatureCache | None = None
+    layer_ids: tuple[int, ...] = ()
+    target_to_draft: torch.Tensor | None = None  # reduced draft vocabulary
+    draft_to_target: torch.Tensor | None = None
 
 
-def step_batch(run: Run, examples: list[Example], step: int, first_index: int, seed: int) -> Batch:
+def step_batch(run: Run, examples: list, step: int, first_index: int, seed: int) -> Batch | CachedBatch:
     """The local part of a global batch; first_index = position of examples[0] in the global batch."""
     seeds = [anchor_seed(seed, step, first_index + i) for i in range(len(examples))]
-    return make_batch(examples, seeds, run.config.anchors_per_seq, run.pad_id, run.dist.device)
+    return step_batch_from_seeds(run, examples, seeds)
 
 
 def drafter_autocast(config: TrainConfig, device: torch.device):
@@ -556,13 +579,18 @@ def drafter_autocast(config: TrainConfig, device: torch.device):
     return torch.autocast(device.type, dtype=getattr(torch, config.autocast))
 
 
-def batch_loss(run: Run, batch: Batch, module: nn.Module, global_norm: bool = True):
-    """Loss of one local batch; with global_norm the normaliser is the global Σw / world size, so that
-    DDP's gradient average is the gradient of the global weighted mean."""
+def batch_loss(run: Run, batch: Batch | CachedBatch, module: nn.Module, global_norm: bool = True):
+    """Loss of one local batch, and (valid (B, A, γ), greedy (B, A, γ) bool or None: the draft's argmax
+    is the target's). With global_norm the normaliser is the global Σw / world size, so that DDP's
+    gradient average is the gradient of the global weighted mean. The teacher is the online target
+    (full logits) or the feature cache (top-k)."""
     config = run.config
     labels, valid = block_labels(batch.input_ids, batch.answer_mask, batch.anchors, batch.keep, config.block_size)
-    positions = target_positions(batch.anchors, config.block_size, batch.input_ids.shape[1])
-    features, target_logits = run.features(batch.input_ids, batch.attention_mask, positions)
+    if run.cache is not None:
+        features, target_logits = batch.features, None
+    else:
+        positions = target_positions(batch.anchors, config.block_size, batch.input_ids.shape[1])
+        features, target_logits = run.features(batch.input_ids, batch.attention_mask, positions)
     normalizer = None
     if global_norm:
         w = position_weights(config.block_size, config.decay_lambda, valid.device) * valid.float()
@@ -571,40 +599,75 @@ def batch_loss(run: Run, batch: Batch, module: nn.Module, global_norm: bool = Tr
         logits, confidence_logits = module(features, batch.input_ids, batch.anchors)
     logits = logits.float()
     confidence_logits = None if confidence_logits is None else confidence_logits.float()
-    out = block_loss(logits, target_logits, labels, valid, confidence_logits, run.weights, config.decay_lambda,
-                     normalizer)
-    return out, valid
+    if run.cache is not None:
+        out = topk_block_loss(logits, batch.teacher, labels, valid, confidence_logits, run.weights,
+                              config.decay_lambda, normalizer, run.target_to_draft)
+        greedy = greedy_accepts(logits.detach(), batch.teacher, run.draft_to_target) & valid
+    else:
+        out = block_loss(logits, target_logits, labels, valid, confidence_logits, run.weights, config.decay_lambda,
+                         normalizer)
+        greedy = None
+    return out, (valid, greedy)
+
+
+def train_step(run: Run, batch: Batch | CachedBatch, module: nn.Module, drafter: nn.Module,
+               optimizer: torch.optim.Optimizer):
+    """Forward, backward, clip, AdamW step: (loss output, valid (B, A, γ), gradient norm)."""
+    out, (valid, _) = batch_loss(run, batch, module)
+    optimizer.zero_grad(set_to_none=True)
+    out.total.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), run.config.grad_clip or float("inf"))
+    optimizer.step()
+    return out, valid, grad_norm
 
 
 @torch.no_grad()
-def evaluate(run: Run, drafter_forward: nn.Module, examples: list[Example]) -> dict:
-    """Held-out loss terms, expected τ and per-position acceptance (fixed anchors), over all ranks."""
+def evaluate(run: Run, drafter_forward: nn.Module, examples: list) -> dict:
+    """Held-out loss terms, expected τ at T = 1 (from the acceptance probabilities 1 − TV) and, with a
+    feature cache, at T = 0 (teacher-forced argmax agreement), and per-position acceptance, over all
+    ranks, on fixed anchors."""
     config, d = run.config, run.dist
     mine = list(range(d.rank, min(len(examples), config.max_eval_sequences), d.world))
     per_rank = max(config.batch_size // d.world, 1)
     gamma = config.block_size
-    # sums: loss·Σw for total/ce/tv/conf, Σw, τ, blocks, then per-position accepted and counts
-    sums = torch.zeros(7 + 2 * gamma, dtype=torch.float64)
+    names = ("loss", "ce", "tv", "conf", "weight", "tau", "tau_greedy", "blocks")
+    sums = dict.fromkeys(names, 0.0)
+    accepted, accepted_greedy, counted = (torch.zeros(gamma, dtype=torch.float64) for _ in range(3))
     for start in range(0, len(mine), per_rank):
         indices = mine[start : start + per_rank]
         seeds = [anchor_seed(config.seed + 1, 0, i) for i in indices]
-        batch = make_batch([examples[i] for i in indices], seeds, config.anchors_per_seq, run.pad_id, d.device)
-        out, valid = batch_loss(run, batch, drafter_forward, global_norm=False)
-        accept = out.soft_label * valid
+        batch = step_batch_from_seeds(run, [examples[i] for i in indices], seeds)
+        out, (valid, greedy) = batch_loss(run, batch, drafter_forward, global_norm=False)
+        weight = out.weight_sum.item()
         keep = valid.any(-1)
-        sums += torch.tensor([
-            out.total.item() * out.weight_sum.item(), out.ce.item() * out.weight_sum.item(),
-            out.tv.item() * out.weight_sum.item(), out.conf.item() * out.weight_sum.item(), out.weight_sum.item(),
-            block_tau(1 - out.soft_label, valid)[keep].sum().item(), keep.sum().item(),
-            *accept.sum((0, 1)).tolist(), *valid.sum((0, 1)).tolist(),
-        ], dtype=torch.float64)
-    sums = d.sum(sums)
-    w, blocks = sums[4].clamp_min(1e-6), sums[6].clamp_min(1)
-    result = {"eval_loss": sums[0] / w, "eval_ce": sums[1] / w, "eval_tv": sums[2] / w, "eval_conf": sums[3] / w,
-              "eval_tau": sums[5] / blocks, "eval_blocks": sums[6]}
-    result = {key: float(value) for key, value in result.items()}
-    result["eval_accept"] = (sums[7 : 7 + gamma] / sums[7 + gamma :].clamp_min(1)).tolist()
+        for name, value in (("loss", out.total), ("ce", out.ce), ("tv", out.tv), ("conf", out.conf)):
+            sums[name] += value.item() * weight
+        sums["weight"] += weight
+        sums["tau"] += block_tau(1 - out.soft_label, valid)[keep].sum().item()
+        sums["blocks"] += keep.sum().item()
+        accepted += (out.soft_label * valid).sum((0, 1)).double()
+        counted += valid.sum((0, 1)).double()
+        if greedy is not None:
+            sums["tau_greedy"] += (1 + greedy.long().cumprod(-1).sum(-1))[keep].sum().item()
+            accepted_greedy += greedy.sum((0, 1)).double()
+    total = d.sum(torch.tensor([sums[n] for n in names], dtype=torch.float64))
+    sums = dict(zip(names, total.tolist(), strict=True))
+    accepted, accepted_greedy, counted = (d.sum(t) for t in (accepted, accepted_greedy, counted))
+    w, blocks = max(sums["weight"], 1e-6), max(sums["blocks"], 1.0)
+    result = {f"eval_{n}": sums[n] / w for n in ("loss", "ce", "tv", "conf")}
+    result.update(eval_tau=sums["tau"] / blocks, eval_blocks=sums["blocks"])
+    result["eval_accept"] = (accepted / counted.clamp_min(1)).tolist()
+    if run.cache is not None:
+        result["eval_tau_greedy"] = sums["tau_greedy"] / blocks
+        result["eval_accept_greedy"] = (accepted_greedy / counted.clamp_min(1)).tolist()
     return result
+
+
+def step_batch_from_seeds(run: Run, examples: list, seeds: list[int]) -> Batch | CachedBatch:
+    if run.cache is not None:
+        return make_cached_batch(examples, run.cache, run.layer_ids, seeds, run.config.anchors_per_seq,
+                                 run.config.block_size, run.pad_id, run.dist.device)
+    return make_batch(examples, seeds, run.config.anchors_per_seq, run.pad_id, run.dist.device)
 
 
 def train(config: TrainConfig, resume: str | Path | None = None,
@@ -633,14 +696,17 @@ def train(config: TrainConfig, resume: str | Path | None = None,
     torch.manual_seed(config.seed)
     drafter = spec.build(config, target.model).to(d.device).float().train()
     layer_ids = tuple(drafter.config.target_layer_ids)
-    features = TargetFeatures(target.model, layer_ids)
-
-    all_examples = load_examples(config.data, target.tokenizer, config.seq_len)
+    tokenizer = target.tokenizer
+    pad_id = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
+    run = Run(config, d, None, loss_weights(config), pad_id, layer_ids=layer_ids)
+    if config.feature_cache:
+        all_examples = open_cached_data(run, config, target, drafter)
+    else:
+        run.features = TargetFeatures(target.model, layer_ids)
+        all_examples = load_examples(config.data, tokenizer, config.seq_len)
     train_ids, eval_ids = split_heldout(len(all_examples), config.heldout_fraction, config.seed)
     train_set = [all_examples[i] for i in train_ids]
     eval_set = [all_examples[i] for i in eval_ids]
-    tokenizer = target.tokenizer
-    pad_id = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
 
     optimizer = build_optimizer(drafter, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
@@ -663,7 +729,6 @@ def train(config: TrainConfig, resume: str | Path | None = None,
     module: nn.Module = BlockForward(drafter, spec.blocks)
     if d.world > 1:
         module = DistributedDataParallel(module, device_ids=[d.device.index] if d.device.type == "cuda" else None)
-    run = Run(config, d, features, loss_weights(config), pad_id)
     logger = Logger(output_dir, config, step, d.main)
     if d.main:
         (output_dir / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
@@ -687,12 +752,9 @@ def train(config: TrainConfig, resume: str | Path | None = None,
         examples = [train_set[i] for i in global_batch[first : first + per_rank]]
         batch = step_batch(run, examples, step, first, config.seed)
 
-        out, valid = batch_loss(run, batch, module)
-        optimizer.zero_grad(set_to_none=True)
-        out.total.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip or float("inf"))
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
+        run.weights = loss_weights(config, step)
+        out, valid, grad_norm = train_step(run, batch, module, drafter, optimizer)
         scheduler.step()
         step += 1
 
@@ -744,6 +806,38 @@ def train(config: TrainConfig, resume: str | Path | None = None,
     if d.owns_group:
         dist.destroy_process_group()
     return {**metrics, **eval_metrics}
+
+
+def open_cached_data(run: Run, config: TrainConfig, target, drafter: nn.Module) -> list[CachedExample]:
+    """Corpus + feature cache for `config.data` / `config.feature_cache`: refuse a cache made from another
+    target or corpus, choose the reduced draft vocabulary (most frequent answer tokens) if asked."""
+    from dspark.train.corpus import load_corpus
+    from dspark.train.feature_cache import model_fingerprint
+
+    corpus = load_corpus(config.data)
+    cache = FeatureCache.open(config.feature_cache)
+    expected = {"target_fingerprint": model_fingerprint(target.model), "corpus_checksum": corpus.checksum}
+    stale = [name for name, value in expected.items() if cache.key.get(name) != value]
+    if stale:
+        raise FeatureCacheError(f"{config.feature_cache} is stale for this run: other {', '.join(stale)} "
+                                f"(built for {cache.key.get('target')!r}); rebuild it with `dspark data features`")
+    cache.columns(run.layer_ids)  # every layer the drafter reads is cached
+    run.cache = cache
+    if getattr(drafter, "reduced_vocab", False):
+        if not config.init_from:
+            from dspark.drafters.vocab import coverage, select_draft_vocab
+
+            counts = token_counts(corpus, drafter.config.vocab_size)
+            special = [i for i in (getattr(target.tokenizer, "all_special_ids", None) or [])
+                       if 0 <= i < drafter.config.vocab_size]
+            ids = select_draft_vocab(counts, drafter.config.draft_vocab_size, always=special)
+            drafter.set_draft_vocab(ids)
+            if run.dist.main:
+                print(f"[dspark] draft vocabulary: {len(ids)} ids cover {coverage(counts, ids):.2%} of the answer "
+                      "tokens", file=sys.stderr)
+        run.target_to_draft = drafter.target_to_draft().to(run.dist.device)
+        run.draft_to_target = drafter.draft_to_target().to(run.dist.device)
+    return cached_examples(corpus, cache)
 
 
 #: fields that may differ between a run and its resumption

@@ -1,0 +1,139 @@
+"""`dspark bench train`: supervised tokens/s of the cached training pipeline against the online one.
+
+Both pipelines train the same drafter architecture on the same sequences with the same anchors, in
+one process, interleaved step by step (so machine noise hits both alike): the online pipeline runs
+the frozen target on every batch and distils against its full-vocabulary softmax; the cached one
+reads features and a top-k teacher from a feature cache (built here, for the benchmark's samples,
+untimed — its cost is reported separately, once per corpus) and, when configured, predicts a reduced
+draft vocabulary. The last line printed is JSON.
+"""
+
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.train.anchors import anchor_seed
+from dspark.train.cached_data import cached_examples, token_counts
+from dspark.train.config import TrainConfig
+from dspark.train.feature_cache import CacheKey, FeatureCache, build_cache, model_fingerprint
+from dspark.train.features import TargetFeatures
+from dspark.train.trainer import (
+    DRAFTERS,
+    BlockForward,
+    Dist,
+    Example,
+    Run,
+    build_optimizer,
+    loss_weights,
+    step_batch_from_seeds,
+    train_step,
+)
+
+
+def _pipeline(config: TrainConfig, target, run: Run) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(config.seed)
+    drafter = DRAFTERS[config.drafter_type].build(config, target.model).float().train()
+    return drafter, BlockForward(drafter, DRAFTERS[config.drafter_type].blocks), build_optimizer(drafter, config)
+
+
+def bench_train(config: TrainConfig, corpus, target, *, samples: int = 8, steps: int = 3, warmup: int = 1,
+                top_k: int = 32, max_len: int = 1024) -> dict:
+    """Time `steps` training steps (after `warmup`) of both pipelines on the first `samples` corpus samples."""
+    subset = corpus.select(list(range(min(samples, corpus.num_samples))))
+    layers = DRAFTERS[config.drafter_type].build(config, target.model).config.target_layer_ids
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer is not None else 0
+    pad_id = pad_id if pad_id is not None else 0
+    with tempfile.TemporaryDirectory(prefix="dspark-bench-train-") as tmp:
+        key = CacheKey(target.name, model_fingerprint(target.model), tuple(layers),
+                       str(target.model.dtype).removeprefix("torch."), top_k, max_len, subset.checksum)
+        started = time.perf_counter()
+        build_cache(Path(tmp) / "cache", target.model, subset.tokens, subset.offsets, key, progress=False,
+                    pad_id=pad_id)
+        cache_seconds = time.perf_counter() - started
+        cache = FeatureCache.open(Path(tmp) / "cache", key)
+        cached_set = cached_examples(subset, cache)
+        online_set = [Example(e.input_ids, e.answer_start) for e in cached_set]
+
+        online_config = dataclasses.replace(config, feature_cache=None, draft_vocab_size=None)
+        online_run = Run(online_config, Dist(), TargetFeatures(target.model, tuple(layers)),
+                         loss_weights(online_config), pad_id, layer_ids=tuple(layers))
+        online = _pipeline(online_config, target, online_run)
+
+        cached_config = dataclasses.replace(config, feature_cache=str(Path(tmp) / "cache"))
+        cached_run = Run(cached_config, Dist(), None, loss_weights(cached_config), pad_id, cache=cache,
+                         layer_ids=tuple(layers))
+        cached = _pipeline(cached_config, target, cached_run)
+        coverage = None
+        if getattr(cached[0], "reduced_vocab", False):
+            from dspark.drafters.vocab import coverage as vocab_coverage
+            from dspark.drafters.vocab import select_draft_vocab
+
+            counts = token_counts(corpus, cached[0].config.vocab_size)
+            special = [i for i in (getattr(target.tokenizer, "all_special_ids", None) or []) if i < len(counts)]
+            ids = select_draft_vocab(counts, cached[0].config.draft_vocab_size, always=special)
+            cached[0].set_draft_vocab(ids)
+            coverage = vocab_coverage(counts, ids)
+            cached_run.target_to_draft = cached[0].target_to_draft()
+            cached_run.draft_to_target = cached[0].draft_to_target()
+
+        timings = {"online": [0.0, 0], "cached": [0.0, 0]}
+        batch_size = config.batch_size
+        for step in range(warmup + steps):
+            first = (step * batch_size) % len(cached_set)
+            indices = [(first + i) % len(cached_set) for i in range(batch_size)]
+            seeds = [anchor_seed(config.seed, step, i) for i in range(batch_size)]
+            for name, run, pipeline, examples in (("online", online_run, online, online_set),
+                                                  ("cached", cached_run, cached, cached_set)):
+                drafter, module, optimizer = pipeline
+                started = time.perf_counter()
+                batch = step_batch_from_seeds(run, [examples[i] for i in indices], seeds)
+                _, valid, _ = train_step(run, batch, module, drafter, optimizer)
+                elapsed = time.perf_counter() - started
+                if step >= warmup:
+                    timings[name][0] += elapsed
+                    timings[name][1] += int(valid.sum())
+    online_rate = timings["online"][1] / timings["online"][0]
+    cached_rate = timings["cached"][1] / timings["cached"][0]
+    return {
+        "online_tokens_per_s": round(online_rate, 1), "cached_tokens_per_s": round(cached_rate, 1),
+        "speedup": round(cached_rate / online_rate, 2), "supervised_per_step": timings["cached"][1] // steps,
+        "batch_size": batch_size, "samples": len(cached_set), "steps": steps,
+        "draft_vocab_size": config.draft_vocab_size, "draft_vocab_coverage": coverage,
+        "cache_tokens_per_s": round(int(subset.tokens.shape[0]) / cache_seconds, 1),
+        "threads": torch.get_num_threads(), "target_dtype": str(target.model.dtype).removeprefix("torch."),
+    }
+
+
+def add_bench_train_parser(bench) -> None:
+    parser = bench.add_parser("train", help="training throughput: cached feature pipeline vs online target")
+    parser.add_argument("--config", help="YAML of TrainConfig fields (the drafter and batch to compare)")
+    parser.add_argument("--corpus", required=True, help="corpus file (`dspark data pack`)")
+    parser.add_argument("--samples", type=int, default=8, help="corpus samples to train on")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per pipeline")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    parser.set_defaults(handler=run_bench_train)
+
+
+def run_bench_train(args) -> None:
+    from dspark.errors import DsparkError
+    from dspark.loading import load_target
+    from dspark.train.config import load_config
+    from dspark.train.corpus import load_corpus
+
+    if args.samples < 1 or args.steps < 1:
+        raise DsparkError("--samples and --steps must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = load_config(args.config, args.overrides)
+    corpus = load_corpus(args.corpus)
+    target = load_target(config.target, dtype=getattr(torch, config.target_dtype))
+    result = bench_train(config, corpus, target, samples=args.samples, steps=args.steps)
+    for key in ("online_tokens_per_s", "cached_tokens_per_s", "speedup"):
+        print(f"{key:>22}: {result[key]}", file=sys.stderr)
+    print(json.dumps(result))

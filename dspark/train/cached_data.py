@@ -1,0 +1,105 @@
+"""Training batches from the committed corpus and its offline feature cache.
+
+The online trainer runs the target on every batch; here each sequence's context features and top-k
+teacher come from `feature_cache.FeatureCache`, so a step is the drafter's forward and backward only.
+Samples are the corpus samples cut to the cache's `max_len`; anchors, labels and teacher positions are
+chosen exactly as in the online path (`anchors.py`), so the two pipelines train the same function.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dspark.train.anchors import sample_anchors, target_positions
+from dspark.train.feature_cache import FeatureCache
+from dspark.train.losses import TopKTeacher
+
+
+@dataclass
+class CachedExample:
+    index: int  # corpus / cache sample
+    input_ids: list[int]
+    answer_start: int
+
+
+@dataclass
+class CachedBatch:
+    input_ids: torch.Tensor  # (B, T) right-padded
+    attention_mask: torch.Tensor  # (B, T)
+    answer_mask: torch.Tensor  # (B, T) bool
+    anchors: torch.Tensor  # (B, A)
+    keep: torch.Tensor  # (B, A)
+    features: torch.Tensor  # (B, T, F) bfloat16, zero on padding
+    teacher: TopKTeacher  # at the teacher positions of every block, (B, A, γ, k)
+
+
+def cached_examples(corpus, cache: FeatureCache) -> list[CachedExample]:
+    """The corpus samples as the cache holds them (cut to its max_len); samples with fewer than two
+    answer tokens left are dropped (no anchor)."""
+    if cache.num_samples != corpus.num_samples:
+        raise ValueError(f"the cache holds {cache.num_samples} samples, the corpus {corpus.num_samples}")
+    examples = []
+    for index in range(corpus.num_samples):
+        length = cache.length(index)
+        start = int(corpus.offsets[index])
+        prompt = int(corpus.prompt_lengths[index])
+        if length - prompt >= 2:
+            ids = corpus.tokens[start : start + length].astype(np.int64).tolist()
+            examples.append(CachedExample(index, ids, prompt))
+    return examples
+
+
+def make_cached_batch(examples: list[CachedExample], cache: FeatureCache, layers: tuple[int, ...],
+                      seeds: list[int], num_anchors: int, block_size: int, pad_id: int,
+                      device: torch.device) -> CachedBatch:
+    """Pad the examples, sample their anchors and gather features and teacher from the cache."""
+    length = max(len(e.input_ids) for e in examples)
+    rows = len(examples)
+    input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(rows, length, dtype=torch.long)
+    answer_mask = torch.zeros(rows, length, dtype=torch.bool)
+    anchors, keep, samples = [], [], []
+    for row, (example, seed) in enumerate(zip(examples, seeds, strict=True)):
+        n = len(example.input_ids)
+        input_ids[row, :n] = torch.tensor(example.input_ids)
+        attention_mask[row, :n] = 1
+        answer_mask[row, example.answer_start : n] = True
+        a, k = sample_anchors(answer_mask[row], num_anchors, torch.Generator().manual_seed(seed))
+        anchors.append(a)
+        keep.append(k)
+        samples.append(cache.sample(example.index, layers))
+    anchors_t, keep_t = torch.stack(anchors), torch.stack(keep)
+    features = torch.zeros(rows, length, samples[0].hidden.shape[-1], dtype=torch.bfloat16)
+    top_k = samples[0].topk_ids.shape[-1]
+    ids = torch.zeros(rows, length, top_k, dtype=torch.long)
+    logits = torch.zeros(rows, length, top_k)
+    lse = torch.zeros(rows, length)
+    for row, sample in enumerate(samples):
+        n = sample.hidden.shape[0]
+        features[row, :n], ids[row, :n], logits[row, :n], lse[row, :n] = (
+            sample.hidden, sample.topk_ids, sample.topk_logits, sample.logsumexp)
+    positions = target_positions(anchors_t, block_size, length).flatten(1)  # (B, A·γ)
+    shape = (*anchors_t.shape, block_size)
+
+    def gather(values: torch.Tensor) -> torch.Tensor:
+        index = positions if values.ndim == 2 else positions[..., None].expand(-1, -1, values.shape[-1])
+        out = values.gather(1, index)
+        return out.view(*shape, *out.shape[2:])
+
+    teacher = TopKTeacher(gather(ids).to(device), gather(logits).to(device), gather(lse).to(device))
+    return CachedBatch(input_ids.to(device), attention_mask.to(device), answer_mask.to(device),
+                       anchors_t.to(device), keep_t.to(device), features.to(device), teacher)
+
+
+def answer_mask(corpus) -> np.ndarray:
+    """(N,) bool over corpus.tokens: True on answer tokens."""
+    edges = np.zeros(len(corpus.tokens) + 1, dtype=np.int64)
+    np.add.at(edges, corpus.offsets[:-1] + corpus.prompt_lengths, 1)
+    np.add.at(edges, corpus.offsets[1:], -1)
+    return np.cumsum(edges)[:-1] > 0
+
+
+def token_counts(corpus, vocab_size: int) -> np.ndarray:
+    """How often each target id appears among the corpus *answer* tokens (what the draft must name)."""
+    return np.bincount(corpus.tokens[answer_mask(corpus)].astype(np.int64), minlength=vocab_size)

@@ -1,0 +1,294 @@
+"""Offline feature cache and the cached training pipeline: the cache equals a fresh target forward,
+stale / corrupt / truncated / incomplete caches are refused, the top-k loss is the full loss when
+k = V, and cached training resumes exactly."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors.torch import load_file
+
+from dspark.train.cached_data import answer_mask, cached_examples, make_cached_batch, token_counts
+from dspark.train.corpus import Corpus, save_corpus
+from dspark.train.feature_cache import (
+    CacheKey,
+    FeatureCache,
+    FeatureCacheError,
+    build_cache,
+    model_fingerprint,
+    plan_shards,
+    sample_bounds,
+)
+from dspark.train.losses import LossWeights, TopKTeacher, block_loss, greedy_accepts, topk_block_loss
+from dspark.train.trainer import STATE_FILE, checkpoints, train
+
+LAYERS = (0, 2, 3)
+
+
+def make_corpus(count: int = 12, seed: int = 0, vocab: int = 96) -> Corpus:
+    """Synthetic samples whose answers follow an arithmetic pattern (learnable)."""
+    generator = np.random.default_rng(seed)
+    tokens, offsets, prompts = [], [0], []
+    for _ in range(count):
+        prompt = generator.integers(3, 90, int(generator.integers(3, 9))).tolist()
+        start = int(generator.integers(3, 90))
+        answer = [(start + 3 * k) % 87 + 3 for k in range(int(generator.integers(6, 20)))] + [2]
+        tokens += prompt + answer
+        offsets.append(len(tokens))
+        prompts.append(len(prompt))
+    return Corpus(np.array(tokens, dtype=np.uint16), np.array(offsets, dtype=np.int64),
+                  np.array(prompts, dtype=np.int32), np.ones(count, dtype=np.uint8), np.zeros(count, dtype=np.uint8),
+                  [f"s{i}" for i in range(count)], ["test"], {"target": "tiny", "vocab_size": vocab})
+
+
+def key_for(model, corpus, **changes) -> CacheKey:
+    values = dict(target="tiny", target_fingerprint=model_fingerprint(model), layers=LAYERS, dtype="float32",
+                  top_k=8, max_len=24, corpus_checksum=corpus.checksum)
+    values.update(changes)
+    return CacheKey(**values)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache")
+    model = tiny_model("llama", num_layers=4)
+    corpus = make_corpus()
+    key = key_for(model, corpus)
+    build_cache(root / "cache", model, corpus.tokens, corpus.offsets, key, shard_tokens=60, batch_tokens=64,
+                progress=False)
+    return root, model, corpus, key
+
+
+def test_shard_plan_covers_every_sample_once():
+    bounds = sample_bounds(np.array([0, 10, 50, 55, 200]), max_len=30)
+    assert bounds.tolist() == [0, 10, 40, 45, 75]
+    shards = plan_shards(bounds, 35)
+    assert shards[0][0] == 0 and shards[-1][1] == 4
+    assert all(a[1] == b[0] for a, b in zip(shards, shards[1:], strict=False))
+
+
+def test_cache_equals_a_fresh_target_forward(built):
+    root, model, corpus, key = built
+    cache = FeatureCache.open(root / "cache", key)
+    assert cache.num_samples == corpus.num_samples and len(cache.manifest["shards"]) > 1
+    for index in (0, 5, corpus.num_samples - 1):
+        start = int(corpus.offsets[index])
+        length = cache.length(index)
+        assert length == min(int(corpus.offsets[index + 1]) - start, key.max_len)
+        ids = torch.from_numpy(corpus.tokens[start : start + length].astype(np.int64))[None]
+        with torch.no_grad():
+            out = model(ids, output_hidden_states=True)
+        expected = torch.cat([out.hidden_states[i + 1] for i in LAYERS], -1)[0]
+        sample = cache.sample(index)
+        torch.testing.assert_close(sample.hidden.float(), expected, rtol=1e-2, atol=1e-2)  # bf16 storage
+        logits = out.logits[0].float()
+        top = logits.topk(key.top_k, -1)
+        assert torch.equal(sample.topk_ids, top.indices)
+        torch.testing.assert_close(sample.topk_logits, top.values, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(sample.logsumexp, logits.logsumexp(-1), rtol=1e-4, atol=1e-4)
+        subset = cache.sample(index, layers=(3, 0))
+        torch.testing.assert_close(subset.hidden.float(), torch.cat([expected[:, 64 * 2 :], expected[:, :64]], -1),
+                                   rtol=1e-2, atol=1e-2)
+    with pytest.raises(FeatureCacheError, match="not \\[1\\]"):
+        cache.columns((1,))
+
+
+def test_resumed_build_equals_one_pass(built, tmp_path):
+    root, model, corpus, key = built
+    first = build_cache(tmp_path / "cache", model, corpus.tokens, corpus.offsets, key, shard_tokens=60,
+                        batch_tokens=64, max_shards=1, progress=False)
+    assert first.shards_written == 1
+    with pytest.raises(FeatureCacheError, match="incomplete"):
+        FeatureCache.open(tmp_path / "cache")
+    (tmp_path / "cache" / "shard_00001.tmp").mkdir()  # a shard cut by a kill
+    rest = build_cache(tmp_path / "cache", model, corpus.tokens, corpus.offsets, key, shard_tokens=60,
+                       batch_tokens=64, progress=False)
+    assert rest.shards_before == 1 and not list((tmp_path / "cache").glob("*.tmp"))
+    one_pass = json.loads((root / "cache" / "manifest.json").read_text())
+    resumed = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert resumed["shards"] == one_pass["shards"]  # same files, same digests
+
+
+def test_stale_cache_is_refused(built, tmp_path):
+    root, model, corpus, key = built
+    other = make_corpus(seed=1)
+    with pytest.raises(FeatureCacheError, match="corpus_checksum"):
+        build_cache(root / "cache", model, other.tokens, other.offsets, key_for(model, other), progress=False)
+    with pytest.raises(FeatureCacheError, match="stale.*corpus_checksum"):
+        FeatureCache.open(root / "cache", key_for(model, other))
+    another_model = tiny_model("llama", seed=1, num_layers=4)
+    with pytest.raises(FeatureCacheError, match="target_fingerprint"):
+        FeatureCache.open(root / "cache", key_for(another_model, corpus))
+    assert model_fingerprint(model) == model_fingerprint(tiny_model("llama", num_layers=4).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])
+def test_corrupt_cache_is_refused(built, tmp_path, damage):
+    import shutil
+
+    root, model, corpus, key = built
+    shutil.copytree(root / "cache", tmp_path / "cache")
+    path = tmp_path / "cache" / "shard_00001" / "hidden.npy"
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        expected = "checksum mismatch"
+    elif damage == "truncate":
+        path.write_bytes(bytes(data[: len(data) - 7]))
+        expected = "truncated"
+    elif damage == "delete":
+        path.unlink()
+        expected = "missing"
+    else:
+        (tmp_path / "cache" / "manifest.json").write_text("{not json")
+        expected = "not a feature-cache manifest"
+    with pytest.raises(FeatureCacheError, match=expected):
+        FeatureCache.open(tmp_path / "cache", key)
+
+
+def test_topk_loss_is_the_full_loss_when_k_is_the_vocabulary():
+    torch.manual_seed(0)
+    vocab, gamma = 11, 3
+    logits = torch.randn(2, 4, gamma, vocab) * 2
+    target_logits = torch.randn(2, 4, gamma, vocab) * 2
+    labels = torch.randint(0, vocab, (2, 4, gamma))
+    valid = torch.rand(2, 4, gamma) > 0.2
+    confidence = torch.randn(2, 4, gamma)
+    weights = LossWeights(0.1, 0.9, 1.0)
+    full = block_loss(logits, target_logits, labels, valid, confidence, weights)
+    values, ids = target_logits.topk(vocab, -1)
+    teacher = TopKTeacher(ids, values, target_logits.logsumexp(-1))
+    topk = topk_block_loss(logits, teacher, labels, valid, confidence, weights)
+    for name in ("total", "ce", "tv", "conf", "accept"):
+        torch.testing.assert_close(getattr(topk, name), getattr(full, name), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(topk.soft_label, full.soft_label, rtol=1e-5, atol=1e-6)
+    # a smaller k only coarsens the vocabulary: the L1 distance can only shrink
+    small = topk_block_loss(logits, TopKTeacher(ids[..., :3], values[..., :3], teacher.logsumexp), labels, valid,
+                            confidence, weights)
+    assert small.tv <= full.tv + 1e-6
+    # greedy acceptance compares argmaxes
+    assert torch.equal(greedy_accepts(logits, teacher, None), logits.argmax(-1) == target_logits.argmax(-1))
+
+
+def test_topk_loss_with_a_reduced_draft_vocabulary():
+    """Draft logits over a subset: CE only where the label is nameable, q = 0 outside the subset."""
+    vocab = 6
+    subset = torch.tensor([1, 3, 4])
+    t2d = torch.full((vocab,), -1)
+    t2d[subset] = torch.arange(3)
+    target_logits = torch.tensor([[[0.0, 2.0, 0.0, 1.0, 0.5, 0.0]]])
+    draft_logits = torch.tensor([[[1.0, 0.0, -1.0]]])
+    values, ids = target_logits.topk(vocab, -1)
+    teacher = TopKTeacher(ids, values, target_logits.logsumexp(-1))
+    q = torch.zeros(vocab)
+    q[subset] = draft_logits[0, 0].softmax(-1)
+    p = target_logits[0, 0].softmax(-1)
+    out = topk_block_loss(draft_logits, teacher, torch.tensor([[0]]), torch.ones(1, 1, dtype=torch.bool),
+                          weights=LossWeights(1.0, 1.0, 0.0), target_to_draft=t2d)
+    assert out.ce.item() == 0.0  # label 0 is outside the subset
+    assert out.tv.item() == pytest.approx(float((q - p).abs().sum()), rel=1e-5)
+    named = topk_block_loss(draft_logits, teacher, torch.tensor([[3]]), torch.ones(1, 1, dtype=torch.bool),
+                            weights=LossWeights(1.0, 0.0, 0.0), target_to_draft=t2d)
+    assert named.ce.item() == pytest.approx(-float(q[3].log()), rel=1e-5)
+    assert torch.equal(greedy_accepts(draft_logits, teacher, subset), torch.tensor([[True]]))
+
+
+def test_cached_batch_gathers_the_teacher_at_block_positions(built):
+    root, model, corpus, key = built
+    cache = FeatureCache.open(root / "cache", key)
+    examples = cached_examples(corpus, cache)
+    batch = make_cached_batch(examples[:3], cache, LAYERS, [0, 1, 2], num_anchors=5, block_size=3, pad_id=0,
+                              device=torch.device("cpu"))
+    row, block, k = 1, 2, 1
+    anchor = int(batch.anchors[row, block])
+    sample = cache.sample(examples[row].index)
+    assert torch.equal(batch.teacher.ids[row, block, k], sample.topk_ids[anchor + k])
+    assert torch.equal(batch.features[row, : sample.hidden.shape[0]], sample.hidden)
+    mask = answer_mask(corpus)
+    assert mask.sum() == corpus.num_answer_tokens
+    counts = token_counts(corpus, 96)
+    assert counts.sum() == corpus.num_answer_tokens and counts[2] == corpus.num_samples  # one EOS per answer
+
+
+def cached_config(root, out, **fields):
+    from dspark.train.config import TrainConfig
+
+    values = dict(target=str(root / "target"), data=str(root / "corpus.safetensors"),
+                  feature_cache=str(root / "cache"), batch_size=4, anchors_per_seq=6, block_size=4, markov_rank=8,
+                  max_steps=6, warmup_steps=2, save_every=3, eval_every=3, heldout_fraction=0.2, progress=False,
+                  threads=1, keep_checkpoints=0, output_dir=str(root / out), target_layer_ids=[0, 2],
+                  mask_token_id=5)
+    values.update(fields)
+    return TrainConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def cached_run(tmp_path_factory):
+    """A target on disk, its corpus file and its feature cache, as `dspark train` reads them."""
+    root = tmp_path_factory.mktemp("cached_run")
+    model = tiny_model("llama", num_layers=4)
+    model.save_pretrained(root / "target")
+    corpus = make_corpus(count=20)
+    save_corpus(root / "corpus.safetensors", corpus)
+    from dspark.loading import load_target
+
+    target = load_target(str(root / "target"))
+    key = CacheKey(target.name, model_fingerprint(target.model), LAYERS, "float32", 8, 32, corpus.checksum)
+    build_cache(root / "cache", target.model, corpus.tokens, corpus.offsets, key, shard_tokens=100, progress=False)
+    return root
+
+
+class Killed(Exception):
+    pass
+
+
+def test_cached_training_resumes_exactly(cached_run):
+    root = cached_run
+    full = train(cached_config(root, "full"))
+    assert full["eval_tau"] >= 1.0 and 1.0 <= full["eval_tau_greedy"] <= 5.0
+    reference = load_file(str(root / "full" / "final" / "model.safetensors"))
+
+    def kill(step, metrics):
+        if step == 4:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train(cached_config(root, "interrupted"), on_step=kill)
+    assert [p.name for p in checkpoints(root / "interrupted")] == ["checkpoint-0000003"]
+    assert torch.load(root / "interrupted" / "checkpoint-0000003" / STATE_FILE, weights_only=True)["step"] == 3
+    train(cached_config(root, "interrupted"), resume="latest")
+    resumed = load_file(str(root / "interrupted" / "final" / "model.safetensors"))
+    for name in reference:
+        assert torch.equal(reference[name], resumed[name]), name
+
+
+def test_cached_training_learns(cached_run):
+    result = train(cached_config(cached_run, "learn", max_steps=40, save_every=40, eval_every=40, lr=3e-3,
+                                 ce_weight=1.0))
+    first = json.loads((cached_run / "learn" / "train_log.jsonl").read_text().splitlines()[0])
+    assert result["ce"] < 0.5 * first["ce"]
+
+
+def test_cached_training_refuses_a_stale_cache(cached_run, tmp_path):
+    other = make_corpus(count=20, seed=3)
+    save_corpus(tmp_path / "other.safetensors", other)
+    with pytest.raises(FeatureCacheError, match="stale.*corpus_checksum"):
+        train(cached_config(cached_run, "stale", data=str(tmp_path / "other.safetensors")))
+    with pytest.raises(FeatureCacheError, match="caches target layers"):
+        train(cached_config(cached_run, "layers", target_layer_ids=[1]))
+
+
+def test_bench_train_reports_both_pipelines(cached_run):
+    from dspark.loading import load_target
+    from dspark.train.bench_train import bench_train
+    from dspark.train.corpus import load_corpus
+
+    config = cached_config(cached_run, "bench", batch_size=2)
+    result = bench_train(config, load_corpus(cached_run / "corpus.safetensors"),
+                         load_target(str(cached_run / "target")), samples=4, steps=1, top_k=8, max_len=32)
+    assert result["online_tokens_per_s"] > 0 and result["cached_tokens_per_s"] > 0
+    assert result["speedup"] == pytest.approx(result["cached_tokens_per_s"] / result["online_tokens_per_s"], rel=0.05)
+    assert result["supervised_per_step"] > 0 and result["draft_vocab_coverage"] is None
