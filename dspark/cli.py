@@ -220,42 +220,30 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--served-model-name", default=None, help="model id clients use (default: the target's)")
     parser.add_argument("--prefill-chunk", type=_positive_int, default=512,
                         help="most prompt tokens prefilled per round, next to decoding requests")
+    parser.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    parser.add_argument("--allowed-host", action="append", default=[], dest="allowed_hosts",
+                        help="serve only this Host header (repeatable; '*.example.com' for subdomains)")
+    from dspark.server.limits import add_limit_args
+
+    add_limit_args(parser)
     parser.set_defaults(handler=run_serve)
 
 
-def _uvicorn_server_class():
-    import contextlib
-
-    import uvicorn
-
-    class DrainingServer(uvicorn.Server):
-        """uvicorn re-raises SIGINT/SIGTERM once it has shut down; after a graceful drain we exit 0."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            with super().capture_signals():
-                yield
-                captured = getattr(self, "_captured_signals", None)
-                if captured is not None:
-                    captured.clear()
-
-    return DrainingServer
-
-
 def run_serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from dspark.scheduler import get_scheduler
     from dspark.server.app import build_server
+    from dspark.server.limits import limits_from_args
+    from dspark.server.run import draining_server
 
     get_scheduler(args.scheduler)
     if args.max_queue < 0:
         raise DsparkError(f"--max-queue must be >= 0, got {args.max_queue}")
+    limits = limits_from_args(args)
     app = build_server(args.target, args.drafter, scheduler=args.scheduler, max_concurrency=args.max_concurrency,
                        max_queue=args.max_queue, block_size=args.block_size, api_key=args.api_key,
-                       served_model_name=args.served_model_name, prefill_chunk=args.prefill_chunk)
-    config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=60, log_level="info")
-    _uvicorn_server_class()(config).run()
+                       served_model_name=args.served_model_name, prefill_chunk=args.prefill_chunk, limits=limits,
+                       public_metrics=args.public_metrics, allowed_hosts=tuple(args.allowed_hosts))
+    draining_server(app, args.host, args.port, limits.drain_timeout_s).run()
     print("[dspark] server drained and stopped", file=sys.stderr)
 
 

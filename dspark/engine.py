@@ -7,6 +7,7 @@ slot back past its rejected drafts. With one request this is plain speculative d
 no drafts it is plain decoding: every path of the library goes through here.
 """
 
+import logging
 import time
 import uuid
 from collections import deque
@@ -18,12 +19,14 @@ import torch
 
 from dspark.drafters.base import Draft, Drafter
 from dspark.errors import DsparkError
-from dspark.ragged import RaggedTarget, Segment, supports_ragged
+from dspark.ragged import RaggedTarget, Segment, SlotCache, supports_ragged
 from dspark.sampling import SamplingParams, next_token
 from dspark.scheduler import Scheduler, SchedulerState, StepCurve, get_scheduler
 from dspark.stats import EngineStats, GenerationStats
 from dspark.target import TargetOutput, TargetSlots
 from dspark.verify import emitted_tokens, verify
+
+log = logging.getLogger("dspark.engine")
 
 
 class TargetBackend(Protocol):
@@ -47,9 +50,27 @@ def make_backend(model: Any, layer_ids: tuple[int, ...] = (), max_slots: int = 1
     return TargetSlots.for_model(model, layer_ids, max_slots=max_slots)
 
 
+class GenerationFailed(Exception):
+    """Why the engine ended one request early (finish reason "error"). The message names the phase
+    only: the cause (a torch message, say) is for the server log, not for clients."""
+
+    def __init__(self, phase: str, cause: BaseException) -> None:
+        super().__init__(f"generation failed while {phase}")
+        self.phase, self.cause = phase, cause
+
+    @property
+    def out_of_memory(self) -> bool:
+        return is_out_of_memory(self.cause)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError | MemoryError) or "out of memory" in str(error).lower()
+
+
 @dataclass(eq=False)
 class Request:
-    """One generation. The engine fills `output_ids`, `stats`, `finished` and `finish_reason`."""
+    """One generation. The engine fills `output_ids`, `stats`, `finished`, `finish_reason` and,
+    when it had to end the request early, `error`."""
 
     prompt_ids: torch.Tensor
     max_new_tokens: int
@@ -62,6 +83,7 @@ class Request:
     stats: GenerationStats = field(default_factory=GenerationStats)
     finished: bool = False
     finish_reason: str | None = None
+    error: GenerationFailed | None = None
     # engine state
     slot: int | None = field(default=None, repr=False)
     context: torch.Tensor | None = field(default=None, repr=False)  # committed tokens; last = anchor
@@ -155,37 +177,50 @@ class Engine:
     # -- one round ---------------------------------------------------------------------------------
 
     def step(self) -> list[tuple[Request, list[int]]]:
-        """One round for every running request; returns (request, newly committed tokens) pairs."""
+        """One round for every running request; returns (request, newly committed tokens) pairs.
+
+        Faults are isolated: a request whose drafting or sampling fails is finished alone with
+        `error` set, and a target forward that fails (out of memory) sheds the largest request and is
+        redone for the others, so their outputs are what they would have been without it."""
         self._admit()
         if not self.running:
             return []
         start = time.perf_counter()
         decoding = [r for r in self.running if r.decoding]
         proposed = self._draft(decoding)
+        kept = [(r, d) for r, d in zip(decoding, proposed, strict=True) if not r.finished]
         drafted = time.perf_counter()
-        drafts = self._scheduled(proposed)
+        drafts = self._scheduled([d for _, d in kept])
         scheduled = time.perf_counter()
-        chunks = self._prefill_chunks([r for r in self.running if not r.decoding])
-        segments = [Segment(r.slot, torch.cat([r.context[-1:], d.tokens.cpu()]))
-                    for r, d in zip(decoding, drafts, strict=True)]
-        segments += [Segment(r.slot, chunk, "last" if last else "none") for r, chunk, last in chunks]
-        outputs = self.target.forward(segments)
-
-        events = []
-        for request, draft, output in zip(decoding, drafts, outputs[: len(decoding)], strict=True):
-            events.append((request, self._commit_round(request, draft, output)))
-        for (request, chunk, last), output in zip(chunks, outputs[len(decoding):], strict=True):
-            tokens = self._commit_prefill(request, chunk, last, output)
-            if tokens:
-                events.append((request, tokens))
+        work = [_Work(r, Segment(r.slot, torch.cat([r.context[-1:], d.tokens.cpu()])), draft=d)
+                for (r, _), d in zip(kept, drafts, strict=True)]
+        work += [_Work(r, Segment(r.slot, chunk, "last" if last else "none"), last=last)
+                 for r, chunk, last in self._prefill_chunks([r for r in self.running if not r.decoding])]
+        events, rounds = self._commit_all(self._forward(work))
         end = time.perf_counter()
 
-        self._account(decoding, drafts, start, drafted, scheduled, end)
+        self._account([r for r, _ in rounds], [d for _, d in rounds], start, drafted, scheduled, end)
         self.stats.num_drafted += sum(len(d) for d in proposed)
         self.stats.num_generated += sum(len(tokens) for _, tokens in events)
         for request in [r for r in self.running if r.finish_reason is not None]:
             self._finish(request, request.finish_reason)
         return events
+
+    def fail(self, request: Request, error: GenerationFailed) -> None:
+        """End one request with `error` (logged with its cause); the others carry on."""
+        if request.finished:
+            return
+        log.warning("request %s failed: %s", request.request_id, error, exc_info=error.cause)
+        request.error = error
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, "error")
+
+    def largest_request(self) -> Request | None:
+        """The request holding the most KV cache (the first to shed when memory runs out)."""
+        if self.running:
+            return max(self.running, key=footprint)
+        return self.waiting[0] if self.waiting else None
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_concurrency:
@@ -199,18 +234,40 @@ class Engine:
         return max(0, min(gamma, request.max_new_tokens - len(request.output_ids) - 1))
 
     def _draft(self, requests: list[Request]) -> list[Draft]:
+        """Drafts of every decoding request; one whose drafting fails is failed (its draft: empty)."""
         budgets = [self._budget(r) for r in requests]
         active = [i for i, b in enumerate(budgets) if b > 0]
         drafts = [Draft.empty() for _ in requests]
-        if active:
-            proposed = self.drafter.propose_batch(
-                [requests[i].drafter_state for i in active], [requests[i].context for i in active],
-                [budgets[i] for i in active], [requests[i].sampling for i in active],
-                [requests[i].generator for i in active],
-            )
-            for i, draft in zip(active, proposed, strict=True):
+        proposed = self._propose([requests[i] for i in active], [budgets[i] for i in active])
+        for i, draft in zip(active, proposed, strict=True):
+            if draft is not None:
                 drafts[i] = draft.truncate(budgets[i])
         return drafts
+
+    def _propose(self, requests: list[Request], budgets: list[int]) -> list[Draft | None]:
+        """One batched proposal; if it fails, each request again alone from the same generator
+        states, to find the one at fault (batched drafters only read their states in a proposal)."""
+        if not requests:
+            return []
+        if type(self.drafter).propose_batch is Drafter.propose_batch:  # a loop anyway: isolate each call
+            return [self._propose_alone(r, b) for r, b in zip(requests, budgets, strict=True)]
+        saved = [_generator_state(r.generator) for r in requests]
+        try:
+            return self.drafter.propose_batch([r.drafter_state for r in requests], [r.context for r in requests],
+                                              budgets, [r.sampling for r in requests],
+                                              [r.generator for r in requests])
+        except Exception:
+            for request, state in zip(requests, saved, strict=True):
+                _restore_generator(request.generator, state)
+            return [self._propose_alone(r, b) for r, b in zip(requests, budgets, strict=True)]
+
+    def _propose_alone(self, request: Request, budget: int) -> Draft | None:
+        try:
+            return self.drafter.propose_batch([request.drafter_state], [request.context], [budget],
+                                              [request.sampling], [request.generator])[0]
+        except Exception as error:
+            self.fail(request, GenerationFailed("drafting", error))
+            return None
 
     def _scheduled(self, drafts: list[Draft]) -> list[Draft]:
         if self.schedule is None or not any(len(d) for d in drafts):
@@ -230,6 +287,46 @@ class Engine:
             chunks.append((request, prompt[request.prefilled : end], end == prompt.shape[0]))
             budget -= end - request.prefilled
         return chunks
+
+    def _forward(self, work: list["_Work"]) -> list[tuple["_Work", TargetOutput]]:
+        """The round's target forward. When it fails (out of memory, typically) every slot is rolled
+        back, the request holding the most KV cache is failed, and the forward is redone without it."""
+        while work:
+            lengths = [self.target.length(item.segment.slot) for item in work]
+            try:
+                return list(zip(work, self.target.forward([item.segment for item in work]), strict=True))
+            except Exception as error:
+                for item, length in zip(work, lengths, strict=True):
+                    if self.target.length(item.segment.slot) > length:
+                        self.target.rollback(item.segment.slot, length)
+                largest = max(work, key=lambda item: footprint(item.request))
+                self.fail(largest.request, GenerationFailed("running the target", error))
+                work = [item for item in work if item is not largest]
+        return []
+
+    def _commit_all(self, done: list[tuple["_Work", TargetOutput]]) -> tuple[list, list]:
+        """(request, new tokens) events and the (request, draft) rounds that committed."""
+        events, rounds = [], []
+        for item, output in done:
+            tokens = self._commit(item, output)
+            if tokens is None:
+                continue
+            if item.draft is not None:
+                rounds.append((item.request, item.draft))
+            if tokens or item.draft is not None:
+                events.append((item.request, tokens))
+        return events, rounds
+
+    def _commit(self, item: "_Work", output: TargetOutput) -> list[int] | None:
+        """The tokens `item` commits this round, or None if committing failed (the request is failed)."""
+        try:
+            if item.draft is not None:
+                return self._commit_round(item.request, item.draft, output)
+            return self._commit_prefill(item.request, item.segment.token_ids, item.last, output)
+        except Exception as error:
+            phase = "sampling and verifying" if item.draft is not None else "sampling the first token"
+            self.fail(item.request, GenerationFailed(phase, error))
+            return None
 
     def _commit_prefill(self, request: Request, chunk: torch.Tensor, last: bool, output: TargetOutput) -> list[int]:
         request.prefilled += int(chunk.shape[0])
@@ -281,6 +378,9 @@ class Engine:
             self.running.remove(request)
             self.target.release(request.slot)
             self.stats.num_requests_finished += 1
+            cache = getattr(self.target, "cache", None)
+            if isinstance(cache, SlotCache):
+                cache.reclaim()
         request.drafter_state = None
         request.prompt_features = []
 
@@ -323,3 +423,27 @@ class Engine:
                         yield tokens
         finally:
             self.abort(request)
+
+
+@dataclass
+class _Work:
+    """One request's part of a round's forward: a decode segment (with its draft) or a prompt chunk."""
+
+    request: Request
+    segment: Segment
+    draft: Draft | None = None
+    last: bool = False  # a prompt chunk that ends the prompt
+
+
+def footprint(request: Request) -> int:
+    """Tokens of KV cache a request holds (or will hold once prefilled)."""
+    return int(request.prompt_ids.shape[0]) + len(request.output_ids)
+
+
+def _generator_state(generator: torch.Generator | None) -> torch.Tensor | None:
+    return None if generator is None else generator.get_state()
+
+
+def _restore_generator(generator: torch.Generator | None, state: torch.Tensor | None) -> None:
+    if generator is not None and state is not None:
+        generator.set_state(state)

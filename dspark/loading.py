@@ -18,6 +18,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from dspark.drafters.files import index_shard_files
 from dspark.errors import TargetLoadError
 
 DEFAULT_TARGET = "default"
@@ -137,11 +138,13 @@ def resolve_target_dir(spec: str) -> tuple[Path | str, str]:
 def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedTarget:
     """Load model + tokenizer, offline only; every failure becomes a one-line TargetLoadError."""
     where, name = resolve_target_dir(spec)
+    if isinstance(where, Path):
+        check_shard_index(where)
     transformers.utils.logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(where), dtype=dtype, local_files_only=True)
     except Exception as error:
-        raise TargetLoadError(f"could not load target {spec!r}: {_first_line(error)}") from error
+        raise TargetLoadError(f"could not load target {spec!r} from {where}: {_first_line(error)}") from error
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
     except Exception:
@@ -149,6 +152,14 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, 
     model.to(device).eval()
     model.requires_grad_(False)
     return LoadedTarget(model, tokenizer, name, Path(where) if isinstance(where, Path) else None)
+
+
+def check_shard_index(directory: Path) -> None:
+    """Refuse a target whose weight index names shards outside its directory (transformers would
+    join those names to the directory unchecked)."""
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (directory / index).is_file():
+            index_shard_files(directory / index, TargetLoadError)
 
 
 def _first_line(error: Exception) -> str:

@@ -53,7 +53,8 @@ def supports_ragged(model: PreTrainedModel) -> bool:
 
 class SlotCache:
     """K/V per layer as (slots, kv_heads, capacity, head_dim); each slot has its own length.
-    Capacity grows by doubling for all slots at once (one copy, amortised)."""
+    Capacity grows by doubling for all slots at once (one copy, amortised) and is given back by
+    `reclaim` once the long requests that needed it have left."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, capacity: int = 256) -> None:
@@ -61,6 +62,7 @@ class SlotCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * num_slots
+        self.initial_capacity = capacity
 
     @property
     def capacity(self) -> int:
@@ -69,12 +71,28 @@ class SlotCache:
     def reserve(self, length: int) -> None:
         if length <= self.capacity:
             return
-        capacity = max(length, 2 * self.capacity)
-        for buffers in (self.keys, self.values):
-            for i, old in enumerate(buffers):
-                new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
-                new[:, :, : old.shape[2]] = old
-                buffers[i] = new
+        self._resize(max(length, 2 * self.capacity))
+
+    def reclaim(self) -> None:
+        """Shrink to twice the longest slot (at least the initial capacity) once capacity is four
+        times that: one long request must not pin memory for every slot after it has finished."""
+        wanted = max(self.initial_capacity, 2 * max(self.lengths, default=0))
+        if self.capacity >= 2 * wanted:
+            self._resize(wanted)
+
+    def _resize(self, capacity: int) -> None:
+        """All new buffers are allocated before any is swapped in: an allocation that fails (out of
+        memory) leaves every layer as it was, never layers of different capacity."""
+        kept = min(capacity, self.capacity)
+        keys = [_resized(old, capacity, kept) for old in self.keys]
+        values = [_resized(old, capacity, kept) for old in self.values]
+        self.keys, self.values = keys, values
+
+
+def _resized(old: torch.Tensor, capacity: int, kept: int) -> torch.Tensor:
+    new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+    new[:, :, :kept] = old[:, :, :kept]
+    return new
 
 
 class RaggedTarget:

@@ -210,3 +210,129 @@ def test_concurrent_negative_control_fails(monkeypatch):
     outputs, _ = concurrent_samples(target_table, ConfidentMarkovDrafter(draft_table), params, 3000, 4)
     marginals = exact_marginals(target_table, 0, params, 4)
     assert min(chi_square_pvalue(outputs[:, j], marginals[j]) for j in range(1, 4)) < ALPHA
+
+
+# ---------------------------------------------------------------------------- fault isolation
+
+
+def engine_with(drafter_kind: str, max_slots: int = 4):
+    model = tiny_model("llama", num_layers=3)
+    drafter = {"dspark": lambda: random_dspark(model), "ngram": lambda: NgramDrafter(max_ngram=2),
+               "none": NoDrafter}[drafter_kind]()
+    return model, Engine(make_backend(model, drafter.target_layer_ids, max_slots=max_slots), drafter, block_size=4)
+
+
+@pytest.mark.parametrize("drafter_kind", ["dspark", "ngram", "none"])
+def test_a_request_whose_sampling_fails_ends_alone(drafter_kind):
+    """temperature 1e-40 turns logits into inf and probabilities into NaN: torch.multinomial raises.
+    Before, one such request failed every request of the round; now it fails alone."""
+    model, engine = engine_with(drafter_kind)
+    first, second, third = prompts(3, seed=6)
+    healthy = [Request(first, 14), Request(second, 14)]
+    doomed = Request(third, 14, SamplingParams(temperature=1e-40), make_generator(0))
+    engine.run([healthy[0], doomed, healthy[1]])
+    assert doomed.finish_reason == "error" and doomed.error is not None and doomed.output_ids == []
+    assert "sampling" in str(doomed.error) and "probability" not in str(doomed.error)  # torch's words stay in the log
+    for request in healthy:
+        assert request.finish_reason == "length"
+        assert request.output_ids == hf_greedy(model, request.prompt_ids, 14)
+    assert not engine.running and len(engine.target.free) == 4
+
+
+def test_a_failed_batched_proposal_is_redone_without_the_request_at_fault():
+    """The batched DSpark proposal fails mid-generation because of one request (after the others'
+    generators were drawn from): that request fails, the proposal is redone for the others from
+    their saved generator states, so even their sampled outputs equal a run without it."""
+
+    def outputs(with_doomed: bool) -> tuple[list[list[int]], Request]:
+        model, engine = engine_with("dspark")
+        first, second, third = prompts(3, seed=7)
+        greedy = Request(first, 16)
+        sampled = Request(second, 16, SamplingParams(temperature=1.0), make_generator(11))
+        doomed = Request(third, 16)
+        real = engine.drafter.propose_batch
+
+        def failing(states, *args):
+            drafts = real(states, *args)  # draws from every generator first
+            if doomed.drafter_state in states and len(doomed.output_ids) >= 5:
+                raise RuntimeError("injected drafter failure")
+            return drafts
+
+        engine.drafter.propose_batch = failing
+        engine.run([greedy, sampled, doomed] if with_doomed else [greedy, sampled])
+        assert greedy.output_ids == hf_greedy(model, first, 16)
+        return [greedy.output_ids, sampled.output_ids], doomed
+
+    alone, _ = outputs(with_doomed=False)
+    together, doomed = outputs(with_doomed=True)
+    assert doomed.finish_reason == "error" and "drafting" in str(doomed.error) and len(doomed.output_ids) >= 5
+    assert together == alone
+
+
+@pytest.mark.parametrize("fail_after_writing", [False, True])
+def test_a_failing_forward_sheds_the_largest_request_and_redoes_the_round(fail_after_writing):
+    """A forward that runs out of memory (simulated: more than 60 tokens of cache in one forward)
+    sheds the request holding the most KV cache, rolls the others' slots back (even after the forward
+    has written them) and redoes the forward: the others' outputs are exactly HF's."""
+    model, engine = engine_with("dspark")
+    backend = engine.target
+    real = backend.forward
+
+    def forward(segments):
+        held = sum(backend.length(s.slot) + s.token_ids.shape[0] for s in segments)
+        if held > 60:
+            if fail_after_writing:
+                real(segments)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(segments)
+
+    backend.forward = forward
+    short = [Request(p[:4], 12) for p in prompts(3, seed=8)]  # at most 3 x 16 tokens of cache: they fit
+    long = Request(torch.randint(3, VOCAB, (16,), generator=torch.Generator().manual_seed(9)), 40)
+    engine.run([*short, long])
+    assert long.finish_reason == "error" and long.error.out_of_memory and long.output_ids
+    for request in short:
+        assert request.finish_reason == "length" and request.output_ids == hf_greedy(model, request.prompt_ids, 12)
+    assert not engine.running and len(backend.free) == 4
+
+
+def test_slot_cache_growth_is_all_or_nothing(monkeypatch):
+    from dspark import ragged
+
+    cache = ragged.SlotCache(3, 2, 2, 4, torch.float32, torch.device("cpu"), capacity=8)
+    cache.keys[1][0, :, :5] = 1.0
+    calls = {"n": 0}
+    real = ragged._resized
+
+    def fails_on_the_fourth(*args):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise torch.OutOfMemoryError("simulated")
+        return real(*args)
+
+    monkeypatch.setattr(ragged, "_resized", fails_on_the_fourth)
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.reserve(20)
+    assert {t.shape[2] for t in cache.keys + cache.values} == {8}  # no layer grew alone
+    assert cache.keys[1][0, :, :5].eq(1.0).all()
+    cache.reserve(20)
+    assert {t.shape[2] for t in cache.keys + cache.values} == {20} and cache.keys[1][0, :, :5].eq(1.0).all()
+
+
+def test_kv_capacity_is_reclaimed_when_long_requests_finish():
+    """One 300-token request grows every slot's capacity; once it has finished the cache shrinks
+    back, and a request decoding across the shrink still gets exactly HF's output."""
+    model = tiny_model("llama", num_layers=3)
+    engine = Engine(make_backend(model, max_slots=2), NoDrafter(), block_size=0)
+    cache = engine.target.cache
+    start = cache.capacity
+    long = Request(torch.randint(3, VOCAB, (300,), generator=torch.Generator().manual_seed(1)), 2)
+    short = Request(prompts(1, seed=2)[0], 30)
+    engine.add(long)
+    engine.add(short)
+    grown = 0
+    while engine.has_work:
+        engine.step()
+        grown = max(grown, cache.capacity)
+    assert grown >= 2 * start and cache.capacity == start
+    assert short.output_ids == hf_greedy(model, short.prompt_ids, 30)

@@ -1,12 +1,14 @@
-"""The on-disk shape every drafter checkpoint shares: a directory with config.json + model.safetensors."""
+"""The on-disk shape every drafter checkpoint shares: a directory with config.json + model.safetensors
+(or shards listed by model.safetensors.index.json)."""
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-from dspark.errors import DrafterLoadError
+from dspark.errors import DrafterLoadError, DsparkError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_config_json(directory: str | Path) -> dict:
@@ -21,3 +23,25 @@ def read_config_json(directory: str | Path) -> dict:
     if not isinstance(data, dict):
         raise DrafterLoadError(f"drafter config {config_file} is not a JSON object")
     return data
+
+
+def index_shard_files(index_file: Path, error: type[DsparkError] = DrafterLoadError) -> list[Path]:
+    """The shard files a safetensors index names. An index is data from whoever made the checkpoint:
+    a name that leaves its directory ("../../x", "/etc/x") is refused, and every error names the file.
+    (The check is on the names, so a directory of symlinks, as in the Hugging Face cache, still loads.)"""
+    try:
+        names = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, AttributeError, TypeError) as cause:
+        raise error(f"{index_file} is not a valid safetensors index: {cause}") from cause
+    for name in names:
+        if not shard_name_stays_inside(name):
+            raise error(f"{index_file} names shard {name!r}, which is outside the checkpoint directory")
+    return [index_file.parent / name for name in names]
+
+
+def shard_name_stays_inside(name: object) -> bool:
+    """A relative path without ".." parts, backslashes (Windows' separator) or NUL bytes."""
+    if not isinstance(name, str) or not name.strip(".") or "\\" in name or "\0" in name:
+        return False
+    path = PurePosixPath(name)
+    return not path.is_absolute() and ".." not in path.parts

@@ -1,19 +1,41 @@
-"""OpenAI request bodies (the subset we serve) and the OpenAI error schema."""
+"""OpenAI request bodies (the subset we serve) and the OpenAI error schema.
 
-from typing import Any, Literal
+Every numeric field is range-checked and every string must be valid UTF-8 (JSON can carry lone
+surrogates such as "\\ud800", which no tokenizer can encode), so a bad value is a 400 naming the field,
+never a failure deep in the engine. Bounds that a server operator sets (messages, stop strings, prompt
+and completion tokens) are checked against `ServerLimits` by the handlers.
+"""
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Annotated, Any, Literal
 
-MAX_STOP_STRINGS = 16
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from dspark.sampling import SamplingParams
+
+#: temperatures below this are greedy decoding (as in vLLM): dividing logits by ~1e-40 overflows to inf
+MIN_TEMPERATURE = 1e-5
+MAX_INT32 = 2**31 - 1
+
+
+def _valid_utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text is not valid UTF-8 (it holds a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_utf8)]
 
 
 class APIError(Exception):
     """An error with its HTTP status, rendered as {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -26,13 +48,13 @@ class StreamOptions(BaseModel):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -46,28 +68,26 @@ class SamplingRequest(BaseModel):
     """Fields shared by both endpoints; unknown fields are ignored, as OpenAI-compatible servers do."""
 
     model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    model: Text | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=-1, le=MAX_INT32)
+    stop: Text | list[Text] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
-    user: str | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _few_stop_strings(cls, value):
-        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
-        return value
+    n: int = Field(default=1, ge=1, le=128)
+    user: Text | None = None
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return [s for s in stop if s]
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's parameters; a temperature below MIN_TEMPERATURE is greedy, top_k -1 is off."""
+        temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
+        return SamplingParams(temperature, max(self.top_k, 0), self.top_p)
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -76,23 +96,25 @@ class SamplingRequest(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        for name in ("logprobs", "top_logprobs"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} are not supported", param=name)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int]
+    prompt: Text | list[Text] | list[Annotated[int, Field(ge=0, le=MAX_INT32)]]
     echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    suffix: Text | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
