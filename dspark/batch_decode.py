@@ -51,6 +51,14 @@ class StaticBatch:
         inner = self.model.model
         start, size = self.length, tokens.shape[1]
         self.valid[:, start : start + size] = real
+        end = start + size
+        # one additive mask per forward, shared by every layer: (rows, 1, 1 or groups·T, end)
+        bias = torch.zeros(self.valid.shape[0], 1, 1, end).masked_fill_(~self.valid[:, None, None, :end], float("-inf"))
+        if size > 1:
+            groups = self.num_heads // self.num_kv_heads
+            causal = torch.arange(end)[None, :] <= start + torch.arange(size)[:, None]  # (T, end)
+            bias = bias.masked_fill(~causal.repeat(groups, 1)[None, None], float("-inf"))
+        self._bias = bias
         x = inner.embed_tokens(tokens)
         cos, sin = inner.rotary_emb(x, positions)
         cos, sin = cos[:, :, None], sin[:, :, None]  # (rows, T, 1, hd)
@@ -89,14 +97,10 @@ class StaticBatch:
         # (r, kv, groups·T, hd): query heads of one K/V head side by side
         grouped = q.view(r, size, self.num_kv_heads, groups, self.head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(r, self.num_kv_heads, groups * size, self.head_dim)
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * (1.0 / math.sqrt(self.head_dim))
-        allowed = self.valid[rows, None, :end]  # (r, 1, end)
-        if size > 1:
-            causal = torch.arange(end)[None, :] <= start + torch.arange(size)[:, None]  # (T, end)
-            allowed = allowed[:, None] & causal.repeat(groups, 1)[None, None]
-        else:
-            allowed = allowed[:, None]
-        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num_(0.0).to(values.dtype)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float()
+        scores = torch.addcmul(self._bias[rows], scores, scores.new_tensor(1.0 / math.sqrt(self.head_dim)))
+        # a left-padding row of a prompt sees nothing: its (unused) output is 0, not NaN
+        weights = scores.softmax(-1).nan_to_num_(0.0).to(values.dtype)
         out = torch.matmul(weights, values)  # (r, kv, groups·T, hd)
         out = out.view(r, self.num_kv_heads, groups, size, self.head_dim).permute(0, 3, 1, 2, 4)
         return out.reshape(r, size, self.num_heads, self.head_dim)
