@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
 
@@ -18,6 +19,8 @@ from dspark.target import Target
 VOCAB, HIDDEN, LAYERS = 96, 64, 4
 LAYER_IDS = (-1, 0, 2)  # embeddings + two layers: exercises the feature concatenation
 HEAD_TYPES = ["vanilla", "rnn", "gated", None]
+#: a reduced draft vocabulary of 40 of the 96 ids, never the mask token (the last id): inputs may lie outside
+DRAFT_IDS = torch.randperm(VOCAB - 1, generator=torch.Generator().manual_seed(0))[:40].sort().values
 
 
 def tiny_target(vocab: int = VOCAB, hidden: int = HIDDEN, seed: int = 0) -> LlamaForCausalLM:
@@ -32,13 +35,18 @@ def target() -> LlamaForCausalLM:
     return tiny_target()
 
 
-def make_model(target, head_type="vanilla", block_size=5, seed=1, **overrides) -> DSparkModel:
+def make_model(target, head_type="vanilla", block_size=5, seed=1, draft_ids=None, **overrides) -> DSparkModel:
+    """A random drafter; `draft_ids` (target ids) makes it draft over that reduced vocabulary."""
     torch.manual_seed(seed)
+    if draft_ids is not None:
+        overrides["draft_vocab_size"] = len(draft_ids)
     config = DSparkConfig.for_target(target.config, num_hidden_layers=2, markov_rank=16,
                                      block_size=block_size, markov_head_type=head_type,
                                      target_layer_ids=LAYER_IDS, **overrides)
     model = DSparkModel(config, target.get_input_embeddings(), target.get_output_embeddings())
     model.init_weights(std=0.2)  # larger than the training init, so the heads matter in the tests
+    if draft_ids is not None:
+        model.set_draft_vocab(draft_ids)
     return model.eval()
 
 
@@ -57,11 +65,13 @@ def test_default_target_layer_ids():
     assert DSparkConfig.for_target(tiny_target().config).target_layer_ids == (1,)
 
 
+@pytest.mark.parametrize("draft_ids", [None, DRAFT_IDS], ids=["full-vocab", "draft-vocab"])
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
-def test_train_serve_parity(target, head_type):
-    """forward_train on batched anchors == per-request inference path (backbone, heads, confidence)."""
+def test_train_serve_parity(target, head_type, draft_ids):
+    """forward_train on batched anchors == per-request inference path (backbone, heads, confidence);
+    with a reduced vocabulary forward_train's logits are over the draft ids and q is their scatter."""
     temperatures = [0.5, 1.0, 1.5, 2.0, 3.0] if head_type == "rnn" else None
-    model = make_model(target, head_type, calibration_temperatures=temperatures)
+    model = make_model(target, head_type, calibration_temperatures=temperatures, draft_ids=draft_ids)
     drafter = DSparkDrafter(model)
     torch.manual_seed(2)
     ids = torch.randint(0, VOCAB, (2, 24))
@@ -84,12 +94,17 @@ def test_train_serve_parity(target, head_type):
         perturbed = model.forward_train(feats + 5.0 * later, ids, anchors[:, :1],
                                         prev_tokens=prev_tokens[:, :1])
     torch.testing.assert_close(perturbed.logits, out.logits[:, :1])
+    assert out.logits.shape[-1] == out.base_logits.shape[-1] == model.draft_vocab_size
 
     for (b, j), (state, draft) in drafts.items():
         hidden, base_logits = model.draft_blocks([state.cache], ids[b, anchors[b, j]][None])
         torch.testing.assert_close(hidden[0], out.hidden[b, j], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(base_logits[0], out.base_logits[b, j], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(draft.q, out.logits[b, j].softmax(-1), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(draft.q, model.scatter_to_target(out.logits[b, j].softmax(-1)), atol=1e-6,
+                                   rtol=1e-5)
+        assert draft.q.shape == (5, VOCAB)
+        if draft_ids is not None:
+            assert model.t2d[draft.tokens].all()
         if head_type is None:
             torch.testing.assert_close(out.logits, out.base_logits)
         confidence = model.confidence(out.confidence_logits[b, j])
@@ -306,10 +321,11 @@ def test_missing_or_corrupt_files_refused(target, tmp_path):
         load_dspark(tmp_path / "wrong", target)
 
 
+@pytest.mark.parametrize("draft_ids", [None, DRAFT_IDS], ids=["full-vocab", "draft-vocab"])
 @pytest.mark.parametrize("block_size", [1, 4, 7, 16])
-def test_greedy_speculative_decoding_matches_hf_generate(target, block_size):
+def test_greedy_speculative_decoding_matches_hf_generate(target, block_size, draft_ids):
     """A random drafter (mostly rejected) must not change greedy output by a single token."""
-    drafter = DSparkDrafter(make_model(target, "rnn", block_size=block_size))
+    drafter = DSparkDrafter(make_model(target, "rnn", block_size=block_size, draft_ids=draft_ids))
     torch.manual_seed(6)
     prompt = torch.randint(3, VOCAB, (7,))
     eos = target.generation_config.eos_token_id
@@ -323,3 +339,121 @@ def test_greedy_speculative_decoding_matches_hf_generate(target, block_size):
     for chunk in chunks:
         tokens.extend(chunk)
     assert tokens == expected
+
+
+# -- reduced draft vocabulary ---------------------------------------------------------------------
+
+
+def test_oracle_draft_vocab_never_accepts_outside_subset(target, monkeypatch):
+    """Base logits replaced by an oracle that puts all mass on the target's true next token whenever
+    it is a draft id: the drafts are then right exactly when the greedy token is inside the subset.
+    Output == greedy; many drafts are accepted, but a greedy token outside the subset only ever comes
+    out as the target's own (recovered or bonus) token, never as an accepted draft."""
+    model = make_model(target, None, block_size=4, draft_ids=DRAFT_IDS)
+    drafter = DSparkDrafter(model)
+    prompt = torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        reference = target.generate(prompt[None], attention_mask=torch.ones(1, 7, dtype=torch.long),
+                                    do_sample=False, max_new_tokens=40)[0, 7:].tolist()
+    outside = [t for t in reference if not model.t2d[t]]
+    assert outside and len(outside) < len(reference)  # both kinds occur, so the test means something
+    sequence = torch.tensor(prompt.tolist() + reference + [0] * 8)
+    real_draft_blocks = model.draft_blocks
+
+    def oracle(caches, anchors):
+        hidden, logits = real_draft_blocks(caches, anchors)
+        logits = torch.zeros_like(logits)
+        for row, cache in enumerate(caches):
+            truth = model.to_draft_ids(sequence[cache.length + 1 : cache.length + 1 + logits.shape[1]])
+            inside = truth >= 0
+            logits[row, inside.nonzero().flatten(), truth[inside]] = 30.0
+        return hidden, logits
+
+    monkeypatch.setattr(model, "draft_blocks", oracle)
+    chunks = list(speculative_decode(Target(target, layer_ids=drafter.target_layer_ids), drafter, prompt,
+                                     max_new_tokens=40, sampling=SamplingParams(), generator=None, block_size=4))
+    assert [t for chunk in chunks for t in chunk] == reference
+    accepted = [t for chunk in chunks[1:] for t in chunk[:-1]]
+    assert len(accepted) >= len(reference) // 2
+    assert all(model.t2d[t] for t in accepted)
+
+
+def test_draft_vocab_save_load_round_trip(target, tmp_path):
+    model = make_model(target, "rnn", draft_ids=DRAFT_IDS)
+    save_pretrained(model, tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["draft_vocab_size"] == 40 and config["vocab_size"] == VOCAB
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), framework="pt") as reader:
+        assert torch.equal(reader.get_tensor("d2t"), DRAFT_IDS - torch.arange(40))  # EAGLE-3 offsets
+        assert reader.get_tensor("t2d").dtype == torch.bool
+        assert "lm_head.weight" not in reader.keys()  # the sliced head is the target's: never saved
+    drafter = load_dspark(tmp_path / "ckpt", target)
+    loaded = drafter.model
+    assert loaded.config == model.config and torch.equal(loaded.draft_to_target(), DRAFT_IDS)
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(8))
+    feats = features(target, ids)
+    anchors = torch.tensor([[4, 9]])
+    with torch.no_grad():
+        want, got = model.forward_train(feats, ids, anchors), loaded.forward_train(feats, ids, anchors)
+    assert torch.equal(want.logits, got.logits) and torch.equal(want.confidence_logits, got.confidence_logits)
+    sampling = SamplingParams(temperature=1.0)
+    a = DSparkDrafter(model).propose(DSparkDrafter(model).start(ids[0, :7], feats[0, :7]), ids[0, :8], 5,
+                                     sampling, make_generator(0))
+    b = drafter.propose(drafter.start(ids[0, :7], feats[0, :7]), ids[0, :8], 5, sampling, make_generator(0))
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.q, b.q)
+    half = load_model(tmp_path / "ckpt", dtype=torch.float16)  # integer buffers keep their dtype
+    assert half.dtype == torch.float16 and half.d2t.dtype == torch.long and half.t2d.dtype == torch.bool
+
+
+#: config.json keys of a full-vocabulary checkpoint: DeepSpec, llama.cpp and SGLang read these files.
+FULL_VOCAB_CONFIG_KEYS = {
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters", "vocab_size",
+    "hidden_act", "attention_bias", "tie_word_embeddings", "num_hidden_layers", "num_target_layers",
+    "block_size", "target_layer_ids", "mask_token_id", "num_anchors", "markov_rank", "markov_head_type",
+    "enable_confidence_head", "confidence_head_with_markov", "dspark", "dtype", "torch_dtype",
+}
+
+
+def test_full_vocab_checkpoint_unchanged(target, tmp_path):
+    save_pretrained(make_model(target, "vanilla"), tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert set(config) == FULL_VOCAB_CONFIG_KEYS
+    assert set(config["dspark"]) == {"format_version", "drafter_type", "calibration_temperatures"}
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), framework="pt") as reader:
+        assert not {"d2t", "t2d"} & set(reader.keys())
+
+
+def _rewrite_weights(path, **changes) -> None:
+    file = path / "model.safetensors"
+    with safe_open(str(file), framework="pt") as reader:
+        weights = {key: reader.get_tensor(key) for key in reader.keys()}
+    weights.update(changes)
+    save_file({k: v for k, v in weights.items() if v is not None}, str(file))
+
+
+@pytest.mark.parametrize("d2t, t2d, message", [
+    (torch.zeros(39, dtype=torch.long), None, "d2t has 39 entries but draft_vocab_size is 40"),
+    (DRAFT_IDS - torch.arange(40) + (torch.arange(40) == 39) * 60, None, "outside the target vocabulary"),
+    ((DRAFT_IDS - torch.arange(40)).flip(0), None, "strictly increasing"),
+    (None, torch.zeros(VOCAB, dtype=torch.bool), "t2d does not match d2t"),
+], ids=["wrong-size", "outside-vocab", "not-increasing", "t2d-mismatch"])
+def test_bad_draft_vocab_checkpoint_refused(target, tmp_path, d2t, t2d, message):
+    save_pretrained(make_model(target, "vanilla", draft_ids=DRAFT_IDS), tmp_path / "ckpt")
+    changes = {key: value for key, value in (("d2t", d2t), ("t2d", t2d)) if value is not None}
+    _rewrite_weights(tmp_path / "ckpt", **changes)
+    with pytest.raises(DrafterLoadError, match=message):
+        load_dspark(tmp_path / "ckpt", target)
+
+
+def test_draft_vocab_checkpoint_without_map_refused(target, tmp_path):
+    save_pretrained(make_model(target, "vanilla", draft_ids=DRAFT_IDS), tmp_path / "ckpt")
+    file = tmp_path / "ckpt" / "model.safetensors"
+    with safe_open(str(file), framework="pt") as reader:
+        weights = {key: reader.get_tensor(key) for key in reader.keys() if key not in ("d2t", "t2d")}
+    save_file(weights, str(file))
+    with pytest.raises(DrafterLoadError, match="no d2t / t2d"):
+        load_dspark(tmp_path / "ckpt", target)

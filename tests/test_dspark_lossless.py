@@ -29,11 +29,16 @@ def small_target():
     return model
 
 
-def dspark_drafter(target_model, block_size: int, head: str | None, seed: int = 1) -> DSparkDrafter:
+def dspark_drafter(target_model, block_size: int, head: str | None, seed: int = 1,
+                   draft_ids: torch.Tensor | None = None) -> DSparkDrafter:
+    """A random drafter; `draft_ids` (target ids) makes it draft over that reduced vocabulary."""
     torch.manual_seed(seed)
     config = DSparkConfig.for_target(target_model.config, num_hidden_layers=1, markov_rank=8, block_size=block_size,
-                                     mask_token_id=VOCAB - 1, markov_head_type=head)
+                                     mask_token_id=VOCAB - 1, markov_head_type=head,
+                                     draft_vocab_size=None if draft_ids is None else len(draft_ids))
     model = DSparkModel(config)
+    if draft_ids is not None:
+        model.set_draft_vocab(draft_ids)
     with torch.no_grad():  # random init is near-uniform; give q some shape so rejections really happen
         for parameter in model.parameters():
             parameter.mul_(4.0) if parameter.dim() > 1 else None
@@ -177,3 +182,69 @@ def test_scheduled_verification_stays_lossless(small_target):
     marginals = exact_marginals(small_target, params)
     pvalues = [chi_square_pvalue(outputs[:, j], marginals[j]) for j in range(3)]
     assert min(pvalues) > ALPHA, pvalues
+
+
+#: 10 of the 16 ids: the target often wants one outside it (greedily 14), the prompt and mask token lie outside
+DRAFT_IDS = torch.tensor([0, 1, 2, 3, 4, 6, 8, 9, 11, 13])
+
+
+def test_draft_vocab_greedy_equals_hf(small_target):
+    drafter = dspark_drafter(small_target, 7, "vanilla", draft_ids=DRAFT_IDS)
+    with torch.inference_mode():
+        reference = small_target.generate(PROMPT[None], attention_mask=torch.ones_like(PROMPT[None]),
+                                          max_new_tokens=30, do_sample=False)[0, PROMPT.shape[0]:].tolist()
+    assert any(t not in DRAFT_IDS for t in reference)
+    chunks = speculative_decode(Target(small_target, drafter.target_layer_ids), drafter, PROMPT, max_new_tokens=30,
+                                sampling=SamplingParams(), generator=None, block_size=7)
+    assert [t for c in chunks for t in c] == reference
+
+
+def recorded_drafts(drafter, monkeypatch) -> list:
+    """Every Draft the drafter hands to verification, from now on."""
+    drafts, original = [], drafter.propose_batch
+
+    def recording(*args):
+        out = original(*args)
+        drafts.extend(out)
+        return out
+
+    monkeypatch.setattr(drafter, "propose_batch", recording)
+    return drafts
+
+
+@pytest.mark.parametrize("block_size, head, params", [
+    (4, "vanilla", SamplingParams(temperature=1.0)),
+    (7, "rnn", SamplingParams(temperature=0.8, top_k=5)),
+], ids=["g4-markov-T1", "g7-rnn-T0.8k5"])
+def test_draft_vocab_sampled_output_follows_target(small_target, monkeypatch, block_size, head, params):
+    """Drafting over 10 of 16 ids (top-k applied to the 10 draft logits) keeps the output exact: q is the
+    draft distribution scattered onto the full vocabulary, zero outside; every draft is a subset token."""
+    drafter = dspark_drafter(small_target, block_size, head, draft_ids=DRAFT_IDS)
+    drafts = recorded_drafts(drafter, monkeypatch)
+    outputs = sample_first_tokens(small_target, drafter, params, 4000, block_size)
+    marginals = exact_marginals(small_target, params)
+    assert float(marginals[1][~drafter.model.t2d].sum()) > 0.2  # the target often wants an undraftable token
+    pvalues = [chi_square_pvalue(outputs[:, j], marginals[j]) for j in range(3)]
+    assert min(pvalues) > ALPHA, pvalues
+
+    tokens, q = torch.cat([d.tokens for d in drafts]), torch.cat([d.q for d in drafts])
+    assert drafter.model.t2d[tokens].all()
+    assert (q[:, ~drafter.model.t2d] == 0).all() and (q[torch.arange(len(tokens)), tokens] > 0).all()
+    torch.testing.assert_close(q.sum(-1), torch.ones(len(tokens)))
+    if params.top_k:
+        assert ((q > 0).sum(-1) <= params.top_k).all()
+
+
+def test_draft_vocab_negative_control_unmapped_q_fails(small_target, monkeypatch):
+    """Field bug: q scattered without the d2t offsets (draft id i placed at target id i) while the token
+    itself is mapped correctly. The verifier then divides by the probability of another token, and the
+    same chi-square test must catch the skew."""
+    drafter = dspark_drafter(small_target, 4, "vanilla", draft_ids=DRAFT_IDS)
+    vocab_size = drafter.model.config.vocab_size
+    monkeypatch.setattr(drafter.model, "scatter_to_target",
+                        lambda probs: torch.nn.functional.pad(probs, (0, vocab_size - probs.shape[-1])))
+    params = SamplingParams(temperature=1.0)
+    outputs = sample_first_tokens(small_target, drafter, params, 4000, 4)
+    marginals = exact_marginals(small_target, params)
+    pvalues = [chi_square_pvalue(outputs[:, j], marginals[j]) for j in range(3)]
+    assert pvalues[0] > ALPHA and min(pvalues[1:]) < ALPHA, pvalues

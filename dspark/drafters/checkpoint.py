@@ -4,6 +4,10 @@ The config is a Qwen3 config plus DeepSpec's DSpark fields (`architectures: ["Qw
 `block_size`, `target_layer_ids`, ...) so checkpoints move both ways between DeepSpec and us; our own
 extras live under a `dspark` sub-dict. The target's embedding and LM head are not written by default
 (they are the target's, frozen) but are read when present, as in DeepSpec releases.
+
+A drafter with a reduced draft vocabulary (EAGLE-3 style) also writes top-level `draft_vocab_size` in
+config.json and its `d2t` / `t2d` buffers in model.safetensors; only we load those (DeepSpec, llama.cpp
+and SGLang read full-vocabulary DSpark checkpoints, whose files stay exactly as before).
 """
 
 import json
@@ -16,6 +20,7 @@ from torch import nn
 
 from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
 from dspark.drafters.files import CONFIG_FILE, WEIGHTS_FILE, read_config_json
+from dspark.drafters.vocab import check_target_ids, ids_from_offsets, t2d_mask
 from dspark.errors import DrafterLoadError
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -56,6 +61,8 @@ def config_to_dict(config: DSparkConfig, dtype: torch.dtype | None = None) -> di
             "calibration_temperatures": config.calibration_temperatures,
         },
     }
+    if config.draft_vocab_size is not None:  # absent for full-vocabulary checkpoints: their config is unchanged
+        data["draft_vocab_size"] = config.draft_vocab_size
     if dtype is not None:
         data["dtype"] = data["torch_dtype"] = str(dtype).removeprefix("torch.")
     return data
@@ -103,6 +110,7 @@ def config_from_dict(data: dict, where: str = "config") -> DSparkConfig:
             confidence_head_with_markov=bool(data.get("confidence_head_with_markov", True)),
             calibration_temperatures=extras.get("calibration_temperatures"),
             num_anchors=int(data.get("num_anchors") or 512),
+            draft_vocab_size=data.get("draft_vocab_size"),
         )
     except (ValueError, TypeError) as error:
         raise DrafterLoadError(f"{where}: {error}") from error
@@ -160,6 +168,30 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _check_draft_vocab(weights: dict[str, torch.Tensor], config: DSparkConfig, path: Path) -> None:
+    """Refuse d2t/t2d that do not describe `draft_vocab_size` distinct ascending target ids: a wrong map
+    would silently draft other tokens than the ones the drafter learnt (still lossless, but useless)."""
+    if config.draft_vocab_size is None:
+        return  # stray d2t/t2d in a full-vocabulary checkpoint are reported as unexpected weights
+    if "d2t" not in weights or "t2d" not in weights:
+        raise DrafterLoadError(f"drafter {path} has draft_vocab_size {config.draft_vocab_size} "
+                               "but its weights hold no d2t / t2d draft vocabulary")
+    d2t, t2d = weights["d2t"], weights["t2d"]
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool or d2t.dim() != 1:
+        raise DrafterLoadError(f"drafter {path}: d2t must be 1-D integer offsets, got {d2t.dtype} "
+                               f"{tuple(d2t.shape)}")
+    if d2t.shape[0] != config.draft_vocab_size:
+        raise DrafterLoadError(f"drafter {path}: d2t has {d2t.shape[0]} entries but draft_vocab_size is "
+                               f"{config.draft_vocab_size}")
+    ids = ids_from_offsets(d2t)
+    try:
+        check_target_ids(ids, config.draft_vocab_size, config.vocab_size)
+    except ValueError as error:
+        raise DrafterLoadError(f"drafter {path}: d2t is invalid: {error}") from error
+    if t2d.shape != (config.vocab_size,) or not torch.equal(t2d.bool(), t2d_mask(ids, config.vocab_size)):
+        raise DrafterLoadError(f"drafter {path}: t2d does not match d2t (it must mark exactly the d2t target ids)")
+
+
 def _frozen_embeddings(embed: torch.Tensor, head: torch.Tensor) -> tuple[nn.Module, nn.Module]:
     embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
     lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False, dtype=head.dtype)
@@ -179,6 +211,7 @@ def load_model(
     weights = _read_weights(path)
     weights.pop("rotary_emb.inv_freq", None)
     embed, head = weights.pop(EMBEDDING_KEYS[0], None), weights.pop(EMBEDDING_KEYS[1], None)
+    _check_draft_vocab(weights, config, path)
     model = DSparkModel(config)
     expected = model.state_dict()
     missing = sorted(expected.keys() - weights.keys())
@@ -192,7 +225,7 @@ def load_model(
              if v.shape != expected[k].shape]
     if wrong:
         raise DrafterLoadError(f"drafter weights in {path} have the wrong shape: {'; '.join(wrong[:6])}")
-    stored_dtype = next(iter(weights.values())).dtype
+    stored_dtype = next(v.dtype for v in weights.values() if v.is_floating_point())  # not d2t's int64
     model = model.to(device=device, dtype=dtype or stored_dtype)
     model.load_state_dict(weights)
     if (embed is None) != (head is None):

@@ -10,6 +10,15 @@ the block, and a confidence head estimates the chance that each draft survives v
 The training forward (all anchors of a sequence at once, block attention mask) and the inference
 forward (per-request K/V cache of the projected context, grown by the committed positions of each
 round) compute the same function; tests check it.
+
+Reduced draft vocabulary (EAGLE-3 style, `draft_vocab_size`, see `dspark.drafters.vocab`): U_k and the
+sequential bias cover only Vd chosen target ids, draft id i standing for target id i + d2t[i]. The draft
+distribution is then *defined* over those Vd ids: temperature, top-k and top-p are applied to the Vd
+logits (so top-k keeps the k best draft ids, not the k best of the full vocabulary), the token is drawn
+there and mapped to its target id, and the same probabilities, scattered onto the full vocabulary with
+zeros elsewhere, are the q handed to verification. Losslessness only needs q to be exactly the
+distribution the token was drawn from, which it is; what truncation the draft uses only changes
+acceptance, never the output distribution.
 """
 
 import math
@@ -22,6 +31,7 @@ from torch import nn
 from dspark.drafters.base import Draft, Drafter
 from dspark.drafters.heads import HEAD_TYPES, ConfidenceHead, build_sequential_head, sequential_logits
 from dspark.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin, target_layer_shape
+from dspark.drafters.vocab import check_target_ids, ids_from_offsets, offsets_from_ids, t2d_mask, target_to_draft_map
 from dspark.sampling import SamplingParams, probabilities, sample
 
 
@@ -66,6 +76,9 @@ class DSparkConfig:
     calibration_temperatures: list[float] | None = None
     #: training only: anchors sampled per sequence (kept for DeepSpec config compatibility).
     num_anchors: int = 512
+    #: EAGLE-3-style reduced draft vocabulary: the drafter predicts only this many target ids (the
+    #: model's `d2t` buffer says which). None = the full vocabulary (what DeepSpec, llama.cpp, SGLang load).
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if not self.target_layer_ids:
@@ -79,6 +92,8 @@ class DSparkConfig:
         )
         if self.calibration_temperatures is not None:
             self.calibration_temperatures = [float(t) for t in self.calibration_temperatures]
+        if self.draft_vocab_size is not None:
+            self.draft_vocab_size = int(self.draft_vocab_size)
         self.validate()
 
     def validate(self) -> None:
@@ -100,6 +115,8 @@ class DSparkConfig:
                 )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
         temperatures = self.calibration_temperatures
         if temperatures is not None and (len(temperatures) != self.block_size or min(temperatures) <= 0):
             raise ValueError(f"need {self.block_size} positive calibration temperatures, got {temperatures}")
@@ -235,8 +252,8 @@ def block_attention_mask(
 class DSparkOutput:
     """forward_train results; A = anchors per sequence, γ = block size."""
 
-    logits: torch.Tensor  # (B, A, γ, V) U_k + sequential bias (teacher-forced)
-    base_logits: torch.Tensor  # (B, A, γ, V) U_k
+    logits: torch.Tensor  # (B, A, γ, Vd) U_k + sequential bias (teacher-forced), over the draft vocabulary
+    base_logits: torch.Tensor  # (B, A, γ, Vd) U_k
     hidden: torch.Tensor  # (B, A, γ, D) h_k (after `norm`)
     confidence_logits: torch.Tensor | None  # (B, A, γ) uncalibrated; c_k = sigmoid(. / T_k)
 
@@ -244,7 +261,12 @@ class DSparkOutput:
 class DSparkModel(nn.Module):
     """Backbone + heads. The target's embedding and LM head are used, not owned: they are neither
     saved, trained nor moved with this module (`share_embeddings`) unless a checkpoint brought its
-    own copies (`own_embeddings`)."""
+    own copies (`own_embeddings`).
+
+    With `config.draft_vocab_size` set, buffers `d2t` (Vd,) int64 and `t2d` (V,) bool (EAGLE-3's
+    layout, saved with the weights) name the draft vocabulary; they start as the first Vd ids until
+    `set_draft_vocab`. Logits are then over the Vd draft ids; inputs (anchor, mask, previous tokens)
+    stay target ids."""
 
     def __init__(self, config: DSparkConfig, embed_tokens: nn.Module | None = None,
                  lm_head: nn.Module | None = None) -> None:
@@ -255,13 +277,19 @@ class DSparkModel(nn.Module):
         self.layers = nn.ModuleList(DSparkDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.markov_head = build_sequential_head(
-            config.markov_head_type, config.vocab_size, config.markov_rank, config.hidden_size
+            config.markov_head_type, config.vocab_size, config.markov_rank, config.hidden_size,
+            config.draft_vocab_size,
         )
         self.confidence_head = None
         if config.enable_confidence_head:
             extra = config.markov_rank if config.confidence_head_with_markov else 0
             self.confidence_head = ConfidenceHead(config.hidden_size, extra)
         self._shared: tuple[nn.Module, nn.Module] | None = None
+        self._sliced_head: tuple | None = None  # cache of the LM head rows of the draft vocabulary
+        if config.draft_vocab_size is not None:
+            first_ids = torch.arange(config.draft_vocab_size)
+            self.register_buffer("d2t", offsets_from_ids(first_ids))
+            self.register_buffer("t2d", t2d_mask(first_ids, config.vocab_size))
         self.init_weights()
         if embed_tokens is not None or lm_head is not None:
             self.share_embeddings(embed_tokens, lm_head)
@@ -286,9 +314,11 @@ class DSparkModel(nn.Module):
         self._modules.pop("embed_tokens", None)
         self._modules.pop("lm_head", None)
         self._shared = (embed_tokens, lm_head)  # a plain tuple: not registered as submodules
+        self._sliced_head = None
 
     def own_embeddings(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
         self._shared = None
+        self._sliced_head = None
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
 
@@ -311,6 +341,87 @@ class DSparkModel(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
+    # -- draft vocabulary ------------------------------------------------------------------------
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.config.draft_vocab_size is not None
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Vd, the number of logits the drafter produces (= V without a reduced vocabulary)."""
+        return self.config.draft_vocab_size or self.config.vocab_size
+
+    def draft_to_target(self) -> torch.Tensor:
+        """(Vd,) int64: the target id of each draft id (ascending)."""
+        if not self.reduced_vocab:
+            return torch.arange(self.config.vocab_size, device=self.device)
+        return ids_from_offsets(self.d2t)
+
+    def target_to_draft(self) -> torch.Tensor:
+        """(V,) int64: the draft id of each target id, -1 for ids outside the draft vocabulary."""
+        return target_to_draft_map(self.draft_to_target(), self.config.vocab_size)
+
+    @torch.no_grad()
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Make `target_ids` (Vd distinct target ids, any order; see `vocab.select_draft_vocab`) the
+        draft vocabulary. W2 and the logits follow the new ids' order, so call this before training."""
+        if not self.reduced_vocab:
+            raise ValueError("this drafter predicts the full vocabulary: build it with draft_vocab_size=...")
+        ids = torch.as_tensor(target_ids)
+        if ids.dim() == 1 and not ids.dtype.is_floating_point:
+            ids = ids.long().sort().values
+        check_target_ids(ids, self.config.draft_vocab_size, self.config.vocab_size)
+        ids = ids.to(self.d2t.device)
+        self.d2t.copy_(offsets_from_ids(ids))
+        self.t2d.copy_(t2d_mask(ids, self.config.vocab_size))
+        self._sliced_head = None
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of draft ids (any shape): i + d2t[i]."""
+        return draft_ids + self.d2t[draft_ids] if self.reduced_vocab else draft_ids
+
+    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids of target ids (any shape), -1 outside the draft vocabulary or for negative ids
+        (ignored labels): how training labels are mapped onto the Vd logits."""
+        if not self.reduced_vocab:
+            return target_ids.where(target_ids >= 0, -1)
+        mapped = self.target_to_draft().to(target_ids.device)[target_ids.clamp(min=0)]
+        return mapped.where(target_ids >= 0, -1)
+
+    def scatter_to_target(self, draft_probs: torch.Tensor) -> torch.Tensor:
+        """(..., Vd) draft probabilities -> (..., V), zero outside the draft vocabulary: the q that
+        verification needs (the same numbers, placed at their target ids)."""
+        if not self.reduced_vocab:
+            return draft_probs
+        full = draft_probs.new_zeros(*draft_probs.shape[:-1], self.config.vocab_size)
+        return full.index_copy_(-1, self.draft_to_target().to(draft_probs.device), draft_probs)
+
+    def _draft_lm_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target LM head's rows (and bias) of the draft ids. Cached: slicing Vd rows of a 49k-row
+        head every round would cost as much as a drafter layer. The head is frozen, so the slice is
+        detached and never saved; it is rebuilt when the head (tensor, dtype, device) or d2t changes, and
+        made outside inference mode so a model that drafted can still be trained."""
+        weight = lm_head.weight
+        key = (weight.data_ptr(), weight.dtype, weight.device, self.d2t.device)
+        cached = self._sliced_head
+        if cached is None or cached[0] != key or not torch.equal(cached[1], self.d2t):
+            with torch.inference_mode(False), torch.no_grad():
+                ids = self.draft_to_target().to(weight.device)
+                bias = getattr(lm_head, "bias", None)
+                self._sliced_head = (key, self.d2t.clone(), weight.detach()[ids],
+                                     None if bias is None else bias.detach()[ids])
+        return self._sliced_head[2], self._sliced_head[3]
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Base logits U_k (..., Vd) of normed hidden states (..., D): the target's frozen LM head,
+        restricted to the draft vocabulary when it is reduced."""
+        lm_head = self.embeddings()[1]
+        hidden = hidden.to(lm_head.weight.dtype)
+        if not self.reduced_vocab:
+            return lm_head(hidden)
+        return F.linear(hidden, *self._draft_lm_head(lm_head))
+
     # -- backbone ------------------------------------------------------------------------------
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
@@ -332,8 +443,7 @@ class DSparkModel(nn.Module):
         for layer, context_kv in zip(self.layers, context_kvs, strict=True):
             x = layer(x, context_kv, cos, sin, mask)
         hidden = self.norm(x)
-        lm_head = self.embeddings()[1]
-        return hidden, lm_head(hidden.to(lm_head.weight.dtype))
+        return hidden, self.lm_logits(hidden)
 
     def confidence_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor | None:
         """Uncalibrated confidence logits (...,) for hidden (..., D) and previous tokens (...,)."""
@@ -399,7 +509,7 @@ class DSparkModel(nn.Module):
         cache.append([layer.self_attn.kv(context, cos, sin) for layer in self.layers])
 
     def draft_blocks(self, caches: list[ContextCache], anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden (R, γ, D) and base logits (R, γ, V) of the blocks after each request's anchor
+        """Hidden (R, γ, D) and base logits (R, γ, Vd) of the blocks after each request's anchor
         (anchors (R,)), each at position cache.length of its own cache. Several requests run as one
         batch: their contexts are padded to the longest and masked."""
         gamma = self.config.block_size
@@ -479,8 +589,12 @@ class DSparkDrafter(Drafter):
     @torch.inference_mode()
     def propose_batch(self, states, contexts, num_tokens, samplings, generators) -> list[Draft]:
         """One batched drafter forward for every request, then the sequential head step by step for
-        all of them (one (R, r) × (r, V) product per step instead of R); each request samples with its
-        own parameters and generator."""
+        all of them (one (R, r) × (r, Vd) product per step instead of R); each request samples with its
+        own parameters and generator.
+
+        Tokens are chosen among the Vd draft ids (argmax, or a draw from `probabilities` of the Vd
+        logits) and mapped to target ids; q is those same probabilities scattered onto the full
+        vocabulary, so it is exactly the distribution each token was drawn from."""
         model = self.model
         counts = [min(n, self.config.block_size) for n in num_tokens]
         live = [i for i, n in enumerate(counts) if n > 0]
@@ -504,12 +618,13 @@ class DSparkDrafter(Drafter):
             if head is not None:
                 bias, head_state = head.step(head_state, prev, hidden[:, k])
                 logits = logits + bias
-            prev = logits.argmax(-1)
+            choice = logits.argmax(-1)  # draft ids
             for row, i in enumerate(live):
                 if not samplings[i].greedy and k < counts[i]:  # greedy verification compares tokens only
                     probs = probabilities(logits[row], samplings[i])
-                    prev[row] = sample(probs, generators[i])
+                    choice[row] = sample(probs, generators[i])
                     q[row].append(probs)
+            prev = model.to_target_ids(choice)
             tokens.append(prev)
         tokens = torch.stack(tokens, 1)  # (R, max n)
 
@@ -518,6 +633,6 @@ class DSparkDrafter(Drafter):
         confidence = None if confidence_logits is None else model.confidence(confidence_logits)
         for row, i in enumerate(live):
             n = counts[i]
-            drafts[i] = Draft(tokens[row, :n], torch.stack(q[row]) if q[row] else None,
+            drafts[i] = Draft(tokens[row, :n], model.scatter_to_target(torch.stack(q[row])) if q[row] else None,
                               None if confidence is None else confidence[row, :n])
         return drafts

@@ -4,6 +4,9 @@ Sequential heads add a bias to the backbone's base logits U_k that depends on th
 earlier in the block, so a block stops mixing modes ("of problem"). They are stepped left to right,
 one position at a time, with the same `step` function at training time (teacher-forced) and at
 inference time (sampled), so the two paths cannot drift apart. Parameter names follow DeepSpec.
+
+With a reduced draft vocabulary (`dspark.drafters.vocab`) W2 produces a bias over the Vd draft ids only,
+while W1 stays (V, r): the previous token (the anchor, or a drafted token mapped back) is a target id.
 """
 
 import torch
@@ -14,15 +17,18 @@ HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 
 class MarkovHead(nn.Module):
-    """First-order transition bias B(x_{k-1}, .) = W2ᵀ W1[x_{k-1}] with a rank-r factorisation."""
+    """First-order transition bias B(x_{k-1}, .) = W2ᵀ W1[x_{k-1}] with a rank-r factorisation.
+
+    W1 is indexed by target ids (vocab_size rows); W2 outputs `output_size` logits (the draft
+    vocabulary; default vocab_size)."""
 
     head_type = "vanilla"
 
-    def __init__(self, vocab_size: int, rank: int) -> None:
+    def __init__(self, vocab_size: int, rank: int, output_size: int | None = None) -> None:
         super().__init__()
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, output_size or vocab_size, bias=False)
 
     def prev_embedding(self, prev_tokens: torch.Tensor) -> torch.Tensor:
         """W1[x_{k-1}]: also an input of the confidence head."""
@@ -35,7 +41,7 @@ class MarkovHead(nn.Module):
     def step(
         self, state: torch.Tensor | None, prev_tokens: torch.Tensor, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Bias (..., V) for one block position given the previous token (...,) and h_k (..., D)."""
+        """Bias (..., Vd) for one block position given the previous token (...,) and h_k (..., D)."""
         return self.markov_w2(self.prev_embedding(prev_tokens)), state
 
 
@@ -44,8 +50,8 @@ class GatedMarkovHead(MarkovHead):
 
     head_type = "gated"
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int) -> None:
-        super().__init__(vocab_size, rank)
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, output_size: int | None = None) -> None:
+        super().__init__(vocab_size, rank, output_size)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
     def step(self, state, prev_tokens, hidden):
@@ -63,8 +69,8 @@ class RNNHead(MarkovHead):
 
     head_type = "rnn"
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int) -> None:
-        super().__init__(vocab_size, rank)
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, output_size: int | None = None) -> None:
+        super().__init__(vocab_size, rank, output_size)
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
     def initial_state(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -79,24 +85,25 @@ class RNNHead(MarkovHead):
 
 
 def build_sequential_head(
-    head_type: str | None, vocab_size: int, rank: int, hidden_size: int
+    head_type: str | None, vocab_size: int, rank: int, hidden_size: int, output_size: int | None = None
 ) -> MarkovHead | None:
+    """The sequential head of `head_type`; `output_size` is the draft vocabulary (default vocab_size)."""
     if head_type is None:
         return None
     if head_type == "vanilla":
-        return MarkovHead(vocab_size, rank)
+        return MarkovHead(vocab_size, rank, output_size)
     if head_type == "gated":
-        return GatedMarkovHead(vocab_size, rank, hidden_size)
+        return GatedMarkovHead(vocab_size, rank, hidden_size, output_size)
     if head_type == "rnn":
-        return RNNHead(vocab_size, rank, hidden_size)
+        return RNNHead(vocab_size, rank, hidden_size, output_size)
     raise ValueError(f"markov_head_type must be one of {HEAD_TYPES} or None, got {head_type!r}")
 
 
 def sequential_logits(
     head: MarkovHead | None, base_logits: torch.Tensor, hidden: torch.Tensor, prev_tokens: torch.Tensor
 ) -> torch.Tensor:
-    """Teacher-forced logits U_k + B_k for a whole block: base_logits (..., γ, V), hidden (..., γ, D),
-    prev_tokens (..., γ) = [x_0, x_1, .., x_{γ-1}]. Loops over γ exactly as sampling does."""
+    """Teacher-forced logits U_k + B_k for a whole block: base_logits (..., γ, Vd), hidden (..., γ, D),
+    prev_tokens (..., γ) = [x_0, x_1, .., x_{γ-1}] (target ids). Loops over γ exactly as sampling does."""
     if head is None:
         return base_logits
     state = head.initial_state(hidden[..., 0, :])
