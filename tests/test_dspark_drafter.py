@@ -457,3 +457,27 @@ def test_draft_vocab_checkpoint_without_map_refused(target, tmp_path):
     save_file(weights, str(file))
     with pytest.raises(DrafterLoadError, match="no d2t / t2d"):
         load_dspark(tmp_path / "ckpt", target)
+
+
+def test_a_drafter_index_naming_a_shard_outside_the_checkpoint_is_refused(tmp_path):
+    """A sharded drafter checkpoint's index is data: `../` names must not be read."""
+    import json as _json
+
+    from dspark.drafters.checkpoint import load_model
+    from dspark.errors import DrafterLoadError
+
+    from transformers import LlamaConfig
+
+    from dspark.drafters.checkpoint import save_pretrained
+    from dspark.drafters.dspark import DSparkConfig, DSparkModel
+
+    target = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1)
+    drafter = tmp_path / "drafter"
+    save_pretrained(DSparkModel(DSparkConfig.for_target(target, num_hidden_layers=1, markov_rank=4)), drafter,
+                    dtype=torch.float32)
+    (drafter / "model.safetensors").rename(tmp_path / "outside.safetensors")
+    (drafter / "model.safetensors.index.json").write_text(
+        _json.dumps({"weight_map": {"fc.weight": "../outside.safetensors"}}))
+    with pytest.raises(DrafterLoadError, match="model.safetensors.index.json"):
+        load_model(drafter)

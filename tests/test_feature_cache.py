@@ -292,3 +292,20 @@ def test_bench_train_reports_both_pipelines(cached_run):
     assert result["online_tokens_per_s"] > 0 and result["cached_tokens_per_s"] > 0
     assert result["speedup"] == pytest.approx(result["cached_tokens_per_s"] / result["online_tokens_per_s"], rel=0.05)
     assert result["supervised_per_step"] > 0 and result["draft_vocab_coverage"] is None
+
+
+def test_cached_training_with_a_reduced_draft_vocabulary(cached_run):
+    """The draft vocabulary is the most frequent answer tokens; the checkpoint carries it and loads
+    for inference with the same subset."""
+    from dspark.drafters.checkpoint import load_model
+    from dspark.train.corpus import load_corpus
+
+    result = train(cached_config(cached_run, "reduced", draft_vocab_size=40, max_steps=3, save_every=3,
+                                 eval_every=3))
+    assert result["eval_tau_greedy"] >= 1.0
+    model = load_model(cached_run / "reduced" / "final", dtype=torch.float32)
+    counts = token_counts(load_corpus(cached_run / "corpus.safetensors"), 96)
+    ids = model.draft_to_target()
+    assert len(ids) == 40 and model.reduced_vocab
+    most = np.argsort(-counts, kind="stable")[:20]
+    assert set(most.tolist()) <= set(ids.tolist())

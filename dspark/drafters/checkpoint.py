@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
-from dspark.drafters.files import CONFIG_FILE, WEIGHTS_FILE, read_config_json
+from dspark.drafters.files import CONFIG_FILE, WEIGHTS_FILE, index_shard_files, read_config_json
 from dspark.drafters.vocab import check_target_ids, ids_from_offsets, t2d_mask
 from dspark.errors import DrafterLoadError
 
@@ -150,11 +150,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     if (path / WEIGHTS_FILE).is_file():
         files = [path / WEIGHTS_FILE]
     elif index_file.is_file():
-        try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-            files = [path / name for name in sorted(set(weight_map.values()))]
-        except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as error:
-            raise DrafterLoadError(f"{index_file} is not a valid safetensors index: {error}") from error
+        files = index_shard_files(index_file)  # refuses names that leave the checkpoint directory
     else:
         raise DrafterLoadError(f"no {WEIGHTS_FILE} in drafter directory {path} (only safetensors are read)")
     weights = {}

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.drafters.base import Draft, Drafter
+from dspark.drafters.block_attention import block_attention
 from dspark.drafters.heads import HEAD_TYPES, ConfidenceHead, build_sequential_head, sequential_logits
 from dspark.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin, target_layer_shape
 from dspark.drafters.vocab import check_target_ids, ids_from_offsets, offsets_from_ids, t2d_mask, target_to_draft_map
@@ -168,12 +169,15 @@ class DSparkAttention(nn.Module):
         context_kv: tuple[torch.Tensor, torch.Tensor] | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: "torch.Tensor | BlockLayout | None",
     ) -> torch.Tensor:
         batch, length, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k, v = self.kv(x, cos, sin)
+        if isinstance(mask, BlockLayout):  # training: many blocks, each sees the context before its anchor
+            out = block_attention(q, context_kv[0], context_kv[1], k, v, mask.anchors, mask.block_size)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
         if context_kv is not None:
             k = torch.cat([context_kv[0], k], 2)
             v = torch.cat([context_kv[1], v], 2)
@@ -181,6 +185,15 @@ class DSparkAttention(nn.Module):
             q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
         )
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The blocks of a training forward: anchors (B, A), each followed by its γ slots. Stands for the
+    dense `block_attention_mask` (which tests compare it with) at a fraction of the cost."""
+
+    anchors: torch.Tensor
+    block_size: int
 
 
 class DSparkDecoderLayer(nn.Module):
@@ -484,7 +497,7 @@ class DSparkModel(nn.Module):
 
         x = self._block_input(input_ids.gather(1, anchor_positions)).flatten(1, 2)
         block_positions = (anchor_positions[..., None] + offsets).flatten(1, 2)
-        mask = block_attention_mask(anchor_positions, length, gamma)
+        mask = BlockLayout(anchor_positions, gamma)
         hidden, base_logits = self._backbone(x, block_positions, context_kvs, mask)
         hidden = hidden.view(batch, num_blocks, gamma, -1)
         base_logits = base_logits.view(batch, num_blocks, gamma, -1)
