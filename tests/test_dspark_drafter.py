@@ -463,13 +463,11 @@ def test_a_drafter_index_naming_a_shard_outside_the_checkpoint_is_refused(tmp_pa
     """A sharded drafter checkpoint's index is data: `../` names must not be read."""
     import json as _json
 
-    from dspark.drafters.checkpoint import load_model
-    from dspark.errors import DrafterLoadError
-
     from transformers import LlamaConfig
 
-    from dspark.drafters.checkpoint import save_pretrained
+    from dspark.drafters.checkpoint import load_model, save_pretrained
     from dspark.drafters.dspark import DSparkConfig, DSparkModel
+    from dspark.errors import DrafterLoadError
 
     target = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
                          num_attention_heads=2, num_key_value_heads=1)
