@@ -103,10 +103,15 @@ def sequential_logits(
     head: MarkovHead | None, base_logits: torch.Tensor, hidden: torch.Tensor, prev_tokens: torch.Tensor
 ) -> torch.Tensor:
     """Teacher-forced logits U_k + B_k for a whole block: base_logits (..., γ, Vd), hidden (..., γ, D),
-    prev_tokens (..., γ) = [x_0, x_1, .., x_{γ-1}] (target ids). Loops over γ exactly as sampling does."""
+    prev_tokens (..., γ) = [x_0, x_1, .., x_{γ-1}] (target ids). Loops over γ exactly as sampling does;
+    a memoryless head (Markov, gated) takes every position in one call of the same `step` (slicing the
+    (..., γ, Vd) logits per position would make the backward allocate γ full-size zero tensors)."""
     if head is None:
         return base_logits
     state = head.initial_state(hidden[..., 0, :])
+    if state is None:
+        bias, _ = head.step(None, prev_tokens, hidden)
+        return base_logits + bias
     logits = []
     for k in range(base_logits.shape[-2]):
         bias, state = head.step(state, prev_tokens[..., k], hidden[..., k, :])

@@ -69,7 +69,10 @@ def make_cached_batch(examples: list[CachedExample], cache: FeatureCache, layers
         anchors.append(a)
         keep.append(k)
         samples.append(cache.sample(example.index, layers))
-    anchors_t, keep_t = torch.stack(anchors), torch.stack(keep)
+    # blocks past the longest answer are padding in every row: drop them (with every answer position an
+    # anchor, a fixed anchors_per_seq would mostly be padding)
+    used = max(int(k.sum()) for k in keep) or 1
+    anchors_t, keep_t = torch.stack(anchors)[:, :used], torch.stack(keep)[:, :used]
     features = torch.zeros(rows, length, samples[0].hidden.shape[-1], dtype=torch.bfloat16)
     top_k = samples[0].topk_ids.shape[-1]
     ids = torch.zeros(rows, length, top_k, dtype=torch.long)

@@ -40,28 +40,10 @@ def default_cache_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({*default_target_layer_ids(num_layers), num_layers - 1}))
 
 
-def resolve_dtype(name: str):
-    import torch
-
-    if name != "auto":
-        return getattr(torch, name)
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls run at full speed (else they are emulated and slower)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = info.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def run_features(args: argparse.Namespace) -> None:
     import torch
 
-    from dspark.loading import load_target
+    from dspark.loading import load_target, resolve_dtype
     from dspark.train.corpus import load_corpus
     from dspark.train.feature_cache import CacheKey, build_cache, model_fingerprint
 
