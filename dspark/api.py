@@ -10,7 +10,7 @@ from dspark.drafters import Drafter, load_drafter
 from dspark.engine import TargetBackend, make_backend
 from dspark.errors import DsparkError
 from dspark.generation import GenerationStats, speculative_decode
-from dspark.loading import LoadedTarget, load_target
+from dspark.loading import LoadedTarget, dtype_name, load_target, resolve_dtype
 from dspark.sampling import SamplingParams, make_generator
 from dspark.scheduler import SPSTable, get_scheduler
 
@@ -23,10 +23,12 @@ class GenerationResult:
     token_ids: list[int]
     stats: GenerationStats
     finish_reason: str = "length"
+    dtype: str | None = None  #: the target's dtype, e.g. "bfloat16"
 
     def to_dict(self) -> dict:
         return {
             "text": self.text,
+            "dtype": self.dtype,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "num_rounds": self.stats.num_rounds,
@@ -37,12 +39,14 @@ class GenerationResult:
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_target(spec: str) -> LoadedTarget:
-    return load_target(spec)
+def _cached_target(spec: str, dtype: torch.dtype) -> LoadedTarget:
+    return load_target(spec, dtype)
 
 
-def resolve(target: str | LoadedTarget, drafter: str | Drafter) -> tuple[LoadedTarget, Drafter]:
-    loaded = _cached_target(target) if isinstance(target, str) else target
+def resolve(target: str | LoadedTarget, drafter: str | Drafter,
+            dtype: str | torch.dtype = "auto") -> tuple[LoadedTarget, Drafter]:
+    """A target spec is loaded in `dtype` (once; `resolve_dtype` names); a loaded target keeps its own."""
+    loaded = _cached_target(target, resolve_dtype(dtype)) if isinstance(target, str) else target
     if isinstance(drafter, str):
         drafter = load_drafter(drafter, loaded.model)
     return loaded, drafter
@@ -131,6 +135,7 @@ def stream(
     stop: list[str] | None = None,
     block_size: int | None = None,
     scheduler: str = "dspark",
+    dtype: str | torch.dtype = "auto",
 ) -> TextStream:
     """Generate with speculative decoding, yielding text as it is committed.
 
@@ -138,12 +143,14 @@ def stream(
     Algorithm 1 on the drafter's calibrated confidences and the target's step rate, profiled once and
     cached), "fixed" (all), "fixed-<n>" or "threshold-<t>" (prefix with survival a_k >= t).
     Drafters without confidences (n-gram, EAGLE-3, MTP, draft LM) always verify every draft.
+    `dtype` applies when `target` is a spec: "auto" (bf16 where the hardware runs it natively, else
+    float32), "float32", "bfloat16", "float16" or a torch dtype.
     """
     sampling = SamplingParams(temperature, top_k, top_p)
     _validate(max_new_tokens, block_size)
     _validate_prompt(prompt)
     get_scheduler(scheduler)
-    loaded, drafter = resolve(target, drafter)
+    loaded, drafter = resolve(target, drafter, dtype)
     block_size = effective_block_size(drafter, block_size)
     ids = prompt_ids(loaded, prompt, chat)
     handle = TextStream(iter(()))
@@ -236,7 +243,7 @@ def _run(handle: TextStream, loaded: LoadedTarget, drafter: Drafter, ids: torch.
     finish = "stop" if text.stopped else stats.finish_reason
     stats.finish_reason = finish
     stats.num_generated = len(text.tokens)
-    handle.result = GenerationResult(text.text, text.tokens, stats, finish)
+    handle.result = GenerationResult(text.text, text.tokens, stats, finish, dtype_name(loaded.model.dtype))
 
 
 def _tokens_through_stop(tokenizer, tokens: list[int], stop: list[str]) -> list[int]:

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +16,7 @@ from dspark.drafters import load_drafter
 from dspark.errors import DsparkError
 from dspark.eval.datasets import load_prompts
 from dspark.generation import GenerationStats, speculative_decode
-from dspark.loading import LoadedTarget, load_target
+from dspark.loading import LoadedTarget, dtype_name, load_target
 from dspark.sampling import SamplingParams
 from dspark.target import Target
 
@@ -49,9 +50,9 @@ class MethodTally:
         return (self.accepted + self.rounds) / self.rounds if self.has_rounds and self.rounds else None
 
 
-def as_loaded(target: str | LoadedTarget) -> LoadedTarget:
-    """A target spec is loaded; an already loaded target (from `dspark report`) is reused."""
-    return target if isinstance(target, LoadedTarget) else load_target(target)
+def as_loaded(target: str | LoadedTarget, dtype: str = "auto") -> LoadedTarget:
+    """A target spec is loaded in `dtype`; an already loaded target (from `dspark report`) is reused."""
+    return target if isinstance(target, LoadedTarget) else load_target(target, dtype)
 
 
 def hf_generate(loaded: LoadedTarget, ids: torch.Tensor, max_new_tokens: int, **extra) -> list[int]:
@@ -85,7 +86,28 @@ def method_name(text: str) -> tuple[str, str]:
 
 
 def run_speed_bench(args: argparse.Namespace) -> dict:
-    loaded = as_loaded(args.target)
+    with ExitStack() as peers:  # peer servers stop when the benchmark ends, however it ends
+        return _run_speed_bench(args, peers)
+
+
+def _start_peers(args: argparse.Namespace, loaded: LoadedTarget, prompt_lengths: list[int], stack: ExitStack) -> dict:
+    """The `--peer` methods (running servers), with a one-line note for each one that cannot run."""
+    if "llama.cpp" not in (args.peer or []):
+        return {}
+    from dspark.peers.llamacpp import PeerSetup, llamacpp_methods
+
+    spec = args.target if isinstance(args.target, str) else loaded.name
+    setup = PeerSetup(spec, loaded.path, loaded.name, prompt_lengths, args.max_new_tokens, eos_token_ids(loaded),
+                      lookup_tokens=args.prompt_lookup_num_tokens, threads=args.peer_threads,
+                      drafter=args.peer_drafter, gguf=args.peer_gguf)
+    methods, notes = llamacpp_methods(stack, setup)
+    for note in notes:
+        print(f"[bench] {note}", file=sys.stderr)
+    return {"methods": methods, "notes": notes}
+
+
+def _run_speed_bench(args: argparse.Namespace, stack: ExitStack) -> dict:
+    loaded = as_loaded(args.target, args.dtype)
     prompts = load_prompts(args.dataset, args.num_prompts)
     drafters = {"ours_vanilla": load_drafter("none", loaded.model), "ours_ngram": load_drafter("ngram", loaded.model)}
     for text in args.drafter or []:
@@ -104,13 +126,18 @@ def run_speed_bench(args: argparse.Namespace) -> dict:
             methods[f"{name}+{args.scheduler}"] = lambda ids, d=drafter: ours(
                 loaded, d, ids, args.max_new_tokens, args.block_size, args.scheduler)
 
+    encoded = [prompt_ids(loaded, prompt) for prompt in prompts]
+    peers = _start_peers(args, loaded, [len(ids) for ids in encoded], stack)
+    methods.update(peers.get("methods", {}))
+
     warm = prompt_ids(loaded, "Hello")
     for run in methods.values():
         run(warm[:8])
+    for peer in peers.get("methods", {}).values():
+        peer.reset()
     tallies = {name: MethodTally() for name in methods}
     names = list(methods)
-    for index, prompt in enumerate(prompts):
-        ids = prompt_ids(loaded, prompt)
+    for index, ids in enumerate(encoded):
         order = names[index % len(names):] + names[: index % len(names)]  # rotate to spread drift evenly
         outputs = {}
         timings = {}
@@ -129,6 +156,7 @@ def run_speed_bench(args: argparse.Namespace) -> dict:
     report = {
         "benchmark": "speed",
         "target": loaded.name,
+        "dtype": dtype_name(loaded.model.dtype),
         "dataset": str(args.dataset),
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
@@ -146,9 +174,23 @@ def run_speed_bench(args: argparse.Namespace) -> dict:
             for name, t in tallies.items()
         },
     }
+    if peers:
+        report["peers"] = {"llama.cpp": _peer_report(peers["methods"], report["methods"], peers["notes"])}
     _print_table(report)
     print(json.dumps(report))
     return report
+
+
+def _peer_report(methods: dict, rows: dict, notes: list[str]) -> dict:
+    """Adds llama-server's own decode rate and draft acceptance to its rows; names the best of each kind."""
+    from dspark.peers.llamacpp import best_per_kind
+
+    for name, method in methods.items():
+        rows[name].update(method.totals.to_dict(), threads=method.mode.threads)
+    modes = {name: method.mode for name, method in methods.items()}
+    best = best_per_kind(modes, {name: rows[name]["tokens_per_s"] for name in methods})
+    gguf = str(next(iter(methods.values())).server.model_gguf) if methods else None
+    return {"gguf": gguf, "best": best, "skipped": notes}
 
 
 def _print_table(report: dict) -> None:
@@ -157,6 +199,10 @@ def _print_table(report: dict) -> None:
         tau = "-" if row["tau"] is None else f"{row['tau']:.2f}"
         print(f"{name:<24}{row['tokens_per_s']:>10.2f}{row['speedup_vs_hf']:>10.3f}{tau:>8}  {row['identical_to_hf']}",
               file=sys.stderr)
+    for peer, summary in report.get("peers", {}).items():
+        if summary["best"]:
+            best = ", ".join(f"{kind} {name}" for kind, name in summary["best"].items())
+            print(f"{peer} best: {best} (server decode rates in the JSON line)", file=sys.stderr)
 
 
 def run_draft_bench(args: argparse.Namespace) -> dict:
@@ -166,11 +212,11 @@ def run_draft_bench(args: argparse.Namespace) -> dict:
     from dspark.drafters.checkpoint import embeddings_in_dtype
     from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
 
-    loaded = as_loaded(args.target)
+    loaded = as_loaded(args.target, args.dtype)
     gamma = args.block_size or 7
     prompt = load_prompts(args.dataset, 1)[0] if args.dataset else "Write a Python function that reverses a string."
     ids = prompt_ids(loaded, prompt)
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else default_draft_dtype(loaded.model)
+    dtype = getattr(torch, args.draft_dtype) if args.draft_dtype != "auto" else default_draft_dtype(loaded.model)
     embed, lm_head = embeddings_in_dtype(loaded.model.get_input_embeddings(),
                                          loaded.model.get_output_embeddings(), dtype)
     configs = {}
@@ -205,7 +251,8 @@ def run_draft_bench(args: argparse.Namespace) -> dict:
         base = median[f"none-{depth}L"]
         for head in ("vanilla", "rnn"):
             rows[f"{head}-{depth}L"]["head_overhead"] = round(median[f"{head}-{depth}L"] / base - 1, 4)
-    report = {"benchmark": "draft", "target": loaded.name, "block_size": gamma, "draft_dtype": str(dtype),
+    report = {"benchmark": "draft", "target": loaded.name, "dtype": dtype_name(loaded.model.dtype),
+              "block_size": gamma, "draft_dtype": str(dtype),
               "markov_rank": args.markov_rank, "context_tokens": int(ids.shape[0]),
               "verify_ms": round(1000 * verify_s, 3), "repeats": args.repeats, "drafters": rows}
     print(f"{'drafter':<14}{'draft ms':>10}{'/verify':>10}{'head +%':>10}", file=sys.stderr)

@@ -21,7 +21,7 @@ from dspark.api import effective_block_size, eos_token_ids, prompt_ids
 from dspark.drafters import load_drafter
 from dspark.engine import Engine, Request, make_backend
 from dspark.eval.datasets import load_prompts
-from dspark.loading import load_target
+from dspark.loading import dtype_name, load_target
 from dspark.ragged import RaggedTarget, Segment
 
 DEFAULT_POLICIES = ("none", "fixed-1", "fixed-3", "fixed-5", "fixed-7", "threshold", "dspark", "dspark-async")
@@ -59,7 +59,7 @@ def run_level(loaded, drafter, prompts: list[torch.Tensor], policy: str, concurr
 
 
 def run_load_bench(args: argparse.Namespace) -> dict:
-    loaded = load_target(args.target)
+    loaded = load_target(args.target, args.dtype)
     drafter = load_drafter(args.drafter, loaded.model)
     block_size = effective_block_size(drafter, args.block_size)
     texts = [text for dataset in args.dataset for text in load_prompts(dataset, args.num_requests)]
@@ -93,6 +93,7 @@ def run_load_bench(args: argparse.Namespace) -> dict:
     report = {
         "benchmark": "load",
         "target": loaded.name,
+        "dtype": dtype_name(loaded.model.dtype),
         "drafter": args.drafter,
         "block_size": block_size,
         "num_requests": len(prompts),
@@ -139,7 +140,7 @@ def plot_load(report: dict, plot_dir: Path) -> list[str]:
 
 def run_ragged_bench(args: argparse.Namespace) -> dict:
     """Loop vs padded attention in one ragged forward: R requests × (γ+1) tokens on `context` tokens."""
-    loaded = load_target(args.target)
+    loaded = load_target(args.target, args.dtype)
     generator = torch.Generator().manual_seed(0)
     vocab = min(int(loaded.model.get_output_embeddings().weight.shape[0]), 1000)
     rows = []
@@ -166,7 +167,8 @@ def run_ragged_bench(args: argparse.Namespace) -> dict:
                          "padded_ms": round(1000 * padded, 2), "padded_over_loop": round(padded / loop, 4)})
             print(f"[bench ragged] context {context} requests {requests}: loop {1000 * loop:.1f} ms, "
                   f"padded {1000 * padded:.1f} ms ({padded / loop:.3f}×)", file=sys.stderr)
-    report = {"benchmark": "ragged", "target": loaded.name, "tokens_per_request": args.tokens_per_request,
+    report = {"benchmark": "ragged", "target": loaded.name, "dtype": dtype_name(loaded.model.dtype),
+              "tokens_per_request": args.tokens_per_request,
               "torch_threads": torch.get_num_threads(), "rows": rows}
     print(json.dumps(report))
     return report

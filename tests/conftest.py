@@ -68,6 +68,16 @@ def one_thread_for_tiny_models(request):
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def cpu_without_native_bf16():
+    """`--dtype auto` means float32 in every test, whatever this CPU has, so results do not depend on the
+    machine (session-wide, so module fixtures that load targets see it too); the tests of the auto
+    choice mock the CPU's flags themselves."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("dspark.loading.read_cpuinfo", lambda: "")
+        yield
+
+
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "gpt2"])
 def tiny_target(request):
     return tiny_model(request.param)

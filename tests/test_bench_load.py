@@ -17,7 +17,7 @@ def test_bench_load_sweeps_policies_and_concurrency(tiny_on_disk, tmp_path, monk
                      tiny_on_disk / "drafter", "--dataset", tiny_on_disk / "gsm8k.jsonl", "--max-concurrency", 3,
                      "--num-requests", 3, "--max-new-tokens", 6, "--plot-dir", tmp_path / "plots",
                      *[arg for p in policies for arg in ("--policy", p)])
-    assert report["concurrency"] == [1, 2, 3]
+    assert report["concurrency"] == [1, 2, 3] and report["dtype"] == "float32"
     assert list(report["policies"]) == policies
     for row in report["policies"].values():
         assert len(row["throughput"]) == len(row["per_user"]) == len(row["budget"]) == 3
@@ -37,4 +37,5 @@ def test_bench_ragged_compares_attention_layouts(tiny_on_disk, capsys):
     report = run_cli(capsys, "bench", "ragged", "--target", tiny_on_disk / "target", "--requests", 1, 3,
                      "--context-tokens", 16, "--repeats", 2)
     assert [(r["context"], r["requests"]) for r in report["rows"]] == [(16, 1), (16, 3)]
+    assert report["dtype"] == "float32"
     assert all(r["loop_ms"] > 0 and r["padded_ms"] > 0 for r in report["rows"])

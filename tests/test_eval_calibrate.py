@@ -275,7 +275,7 @@ def eval_args(dirs, *extra):
 
 def test_eval_end_to_end(tiny_dirs, tmp_path, capsys):
     report = run_cli(capsys, *eval_args(tiny_dirs, "--plot-dir", tmp_path / "plots"))
-    assert set(report["datasets"]) == {"gsm8k", "mbpp"}
+    assert set(report["datasets"]) == {"gsm8k", "mbpp"} and report["dtype"] == "float32"
     assert set(report["domains"]) == {"math", "code"}
     assert report["datasets"]["gsm8k"]["num_prompts"] == 3 and report["datasets"]["mbpp"]["num_prompts"] == 2
     rounds = report["num_rounds"]
@@ -311,7 +311,7 @@ def test_calibrate_end_to_end(tiny_dirs, tmp_path, capsys):
             tiny_dirs / "mbpp.jsonl", "--num-prompts", 2, "--max-new-tokens", 16, "--temperature", 1,
             "--min-rounds", 1, "--json"]
     dry = run_cli(capsys, *args, "--dry-run")
-    assert read_config(path).calibration_temperatures is None and dry["stored"] is False
+    assert read_config(path).calibration_temperatures is None and dry["stored"] is False and dry["dtype"] == "float32"
     result = run_cli(capsys, *args, "--plot", tmp_path / "reliability.png")
     assert result["temperatures"] == dry["temperatures"]  # same seed, same rollouts
     assert len(result["temperatures"]) == GAMMA and len(result["positions"]) == GAMMA
@@ -356,6 +356,7 @@ def test_report_end_to_end(tiny_dirs, tmp_path, capsys):
                     "Depth", "Expected τ predicted by the confidences"):
         assert heading in text
     assert set(summary["tau"]) == {"dspark@T=0", "dspark@T=1", "ngram@T=0", "ngram@T=1"}
+    assert summary["dtype"] == "float32"
     names = {Path(p).name for p in summary["plots"]}
     assert {"position_acceptance.png", "verify_length.png", "threshold_sweep.png", "reliability.png",
             "block_size_latency.png"} <= names

@@ -166,6 +166,8 @@ def write_plots(report: dict, plot_dir: str | Path) -> list[str]:
 
 
 def add_eval_parser(subparsers) -> None:
+    from dspark.cli import add_dtype_arg
+
     parser = subparsers.add_parser(
         "eval", help="acceptance length τ and per-position acceptance of a drafter on prompt sets",
         description="Generate with speculative decoding on each dataset and report τ (overall, per dataset "
@@ -186,6 +188,7 @@ def add_eval_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot-dir", default=None, help="write PNG plots into this directory")
     parser.add_argument("--json", action="store_true", help="print one JSON line with the results last")
+    add_dtype_arg(parser)
     parser.set_defaults(handler=run_eval)
 
 
@@ -205,7 +208,7 @@ def run_eval(args: argparse.Namespace) -> dict:
     from dspark.api import effective_block_size
     from dspark.drafters import load_drafter
     from dspark.eval.rollout import run_rollouts
-    from dspark.loading import load_target
+    from dspark.loading import dtype_name, load_target
     from dspark.sampling import SamplingParams
 
     if args.num_prompts <= 0 or args.max_new_tokens <= 0:
@@ -214,7 +217,7 @@ def run_eval(args: argparse.Namespace) -> dict:
         raise DsparkError(f"--block-size must be >= 0, got {args.block_size}")
     sampling = SamplingParams(args.temperature)
     prompts = _load_dataset_prompts(args.dataset, args.num_prompts)
-    loaded = load_target(args.target)
+    loaded = load_target(args.target, args.dtype)
     drafter = load_drafter(args.drafter, loaded.model)
     block_size = effective_block_size(drafter, args.block_size)
     if args.threshold is not None:
@@ -224,6 +227,7 @@ def run_eval(args: argparse.Namespace) -> dict:
     report = {
         "command": "eval",
         "target": loaded.name,
+        "dtype": dtype_name(loaded.model.dtype),
         "drafter": args.drafter,
         "temperature": args.temperature,
         "block_size": block_size,

@@ -317,6 +317,8 @@ def plot_sweeps(data: dict, plot_dir: Path) -> None:
 
 
 def add_report_parser(subparsers) -> None:
+    from dspark.cli import add_dtype_arg
+
     parser = subparsers.add_parser("report", help="regenerate docs/RESULTS.md and its figures from one run")
     parser.add_argument("--target", default="default")
     parser.add_argument("--drafter", action="append", default=None,
@@ -335,13 +337,14 @@ def add_report_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs/RESULTS.md")
     parser.add_argument("--plot-dir", default=None, help="default: a results/ folder next to --out")
+    add_dtype_arg(parser)
     parser.set_defaults(handler=run_report)
 
 
 def run_report(args: argparse.Namespace) -> dict:
     from dspark.drafters import load_drafter
     from dspark.eval.datasets import default_dataset
-    from dspark.loading import load_target
+    from dspark.loading import dtype_name, load_target
 
     if args.num_prompts <= 0 or args.max_new_tokens <= 0:
         raise DsparkError("--num-prompts and --max-new-tokens must be > 0")
@@ -352,7 +355,7 @@ def run_report(args: argparse.Namespace) -> dict:
     plot_dir = Path(args.plot_dir) if args.plot_dir else out.parent / "results"
     plot_dir.mkdir(parents=True, exist_ok=True)
 
-    loaded = load_target(args.target)
+    loaded = load_target(args.target, args.dtype)
     drafters = {name: load_drafter(spec, loaded.model) for name, spec in specs.items()}
     prompts = _load_dataset_prompts(paths, args.num_prompts)
     data: dict = {"command": "dspark " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["report"] else "dspark report",
@@ -383,7 +386,8 @@ def run_report(args: argparse.Namespace) -> dict:
         report.pop("rounds")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(data))
-    summary = {"report": str(out), "plots": sorted(str(p) for p in plot_dir.glob("*.png")),
+    summary = {"report": str(out), "dtype": dtype_name(loaded.model.dtype),
+               "plots": sorted(str(p) for p in plot_dir.glob("*.png")),
                "tau": {name: r["tau"] for name, r in data["acceptance"].items()}}
     if data.get("speed"):
         summary["speedup_vs_hf"] = {n: m["speedup_vs_hf"] for n, m in data["speed"]["methods"].items()}
@@ -412,7 +416,7 @@ def _depth_latency(target, max_layers: int, gamma: int) -> list[dict]:
     from dspark.bench import run_draft_bench
 
     bench_args = argparse.Namespace(target=target, dataset=None, block_size=gamma, max_layers=max_layers,
-                                    markov_rank=64, repeats=9, dtype="auto")
+                                    markov_rank=64, repeats=9, dtype="auto", draft_dtype="auto")
     report = run_draft_bench(bench_args)
     return [{"layers": d, "draft_ms": report["drafters"][f"vanilla-{d}L"]["draft_ms"],
              "ratio": report["drafters"][f"vanilla-{d}L"]["ratio_to_verify"]} for d in range(1, max_layers + 1)]
@@ -426,7 +430,7 @@ def _block_size_latency(target, block_sizes: list[int]) -> list[dict]:
     rows = []
     for gamma in block_sizes:
         bench_args = argparse.Namespace(target=target, dataset=None, block_size=gamma, max_layers=1,
-                                        markov_rank=64, repeats=9, dtype="auto")
+                                        markov_rank=64, repeats=9, dtype="auto", draft_dtype="auto")
         report = run_draft_bench(bench_args)
         draft = report["drafters"]["vanilla-1L"]
         rows.append({"block_size": gamma, "draft_ms": draft["draft_ms"], "verify_ms": report["verify_ms"],
@@ -441,5 +445,5 @@ def _speed(args: argparse.Namespace, loaded, paths: list[str], specs: dict) -> d
     extra = [f"{name}={spec}" for name, spec in specs.items() if spec not in ("none", "ngram")]
     bench_args = argparse.Namespace(target=loaded, dataset=code, num_prompts=args.speed_prompts,
                                     max_new_tokens=args.max_new_tokens, block_size=None, prompt_lookup_num_tokens=10,
-                                    drafter=extra, scheduler="dspark", json=True)
+                                    drafter=extra, scheduler="dspark", json=True, dtype=args.dtype, peer=None)
     return run_speed_bench(bench_args)

@@ -28,7 +28,7 @@ from dspark.api import TextAccumulator, eos_token_ids, prompt_ids
 from dspark.engine import GenerationFailed
 from dspark.engine import Request as EngineRequest
 from dspark.errors import DsparkError
-from dspark.loading import LoadedTarget
+from dspark.loading import LoadedTarget, dtype_name
 from dspark.sampling import make_generator
 from dspark.server.guards import AllowedHosts, BodyLimit, key_matches
 from dspark.server.limits import RETRY_AFTER_S, ServerLimits, check_request, completion_budget
@@ -103,7 +103,7 @@ def create_app(loaded: LoadedTarget, service: EngineService, config: ServerConfi
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models() -> dict:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "dspark"}]}
+                                            "owned_by": "dspark", "dtype": dtype_name(loaded.model.dtype)}]}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorised)])
     async def chat_completions(body: ChatCompletionRequest, http: Request):
@@ -382,12 +382,13 @@ def build_server(target: str = "default", drafter: str = "default", *, scheduler
                  max_concurrency: int = 8, max_queue: int = 64, block_size: int | None = None,
                  api_key: str | None = None, served_model_name: str | None = None,
                  prefill_chunk: int = 512, limits: ServerLimits | None = None, public_metrics: bool = False,
-                 allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
-    """Load the target and drafter, profile if the scheduler needs it, and build the app."""
+                 allowed_hosts: tuple[str, ...] = (), dtype: str = "auto") -> FastAPI:
+    """Load the target (in `dtype`, a `--dtype` name) and drafter, profile if the scheduler needs it, and build
+    the app."""
     from dspark.api import effective_block_size, resolve, scheduler_for
     from dspark.engine import Engine, make_backend
 
-    loaded, drafter_model = resolve(target, drafter)
+    loaded, drafter_model = resolve(target, drafter, dtype)
     if loaded.tokenizer is None:
         raise DsparkError(f"target {loaded.name} has no tokenizer; the server needs one")
     block_size = effective_block_size(drafter_model, block_size)

@@ -172,6 +172,8 @@ def store_temperatures(checkpoint: str | Path, temperatures: Sequence[float] | N
 
 
 def add_calibrate_parser(subparsers) -> None:
+    from dspark.cli import add_dtype_arg
+
     parser = subparsers.add_parser(
         "calibrate", help="fit Sequential Temperature Scaling of a DSpark confidence head",
         description="Roll out held-out prompts with the drafter, fit one temperature per block position "
@@ -195,6 +197,7 @@ def add_calibrate_parser(subparsers) -> None:
     parser.add_argument("--plot", default=None, help="write a reliability diagram (PNG) here")
     parser.add_argument("--dry-run", action="store_true", help="report only; leave the checkpoint unchanged")
     parser.add_argument("--json", action="store_true", help="print one JSON line with the results last")
+    add_dtype_arg(parser)
     parser.set_defaults(handler=run_calibrate)
 
 
@@ -209,7 +212,7 @@ def run_calibrate(args: argparse.Namespace) -> dict:
     from dspark.eval.datasets import load_prompts
     from dspark.eval.evaluate import EVAL_BENCHMARKS, dataset_name
     from dspark.eval.rollout import record_rounds
-    from dspark.loading import load_target
+    from dspark.loading import dtype_name, load_target
     from dspark.sampling import SamplingParams
 
     _check_args(args)
@@ -221,7 +224,7 @@ def run_calibrate(args: argparse.Namespace) -> dict:
             print(f"[dspark] warning: {path} looks like an evaluation set; calibrate on held-out prompts",
                   file=sys.stderr)
         prompts += [(name, prompt) for prompt in load_prompts(path, args.num_prompts)]
-    loaded = load_target(args.target)
+    loaded = load_target(args.target, args.dtype)
     drafter = load_drafter(args.drafter, loaded.model)
     if not isinstance(drafter, DSparkDrafter) or drafter.model.confidence_head is None:
         raise DsparkError(f"{args.drafter} is not a DSpark checkpoint with a confidence head: nothing to calibrate")
@@ -242,6 +245,7 @@ def run_calibrate(args: argparse.Namespace) -> dict:
         "command": "calibrate",
         "drafter": str(args.drafter),
         "target": loaded.name,
+        "dtype": dtype_name(loaded.model.dtype),
         "sampling_temperature": args.temperature,
         "num_prompts": len(prompts),
         "num_rounds": int(len(logits)),

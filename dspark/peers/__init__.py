@@ -1,0 +1,1 @@
+"""Other runtimes run side by side with ours in `dspark bench speed` (`--peer`)."""
