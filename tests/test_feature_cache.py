@@ -309,3 +309,12 @@ def test_cached_training_with_a_reduced_draft_vocabulary(cached_run):
     assert len(ids) == 40 and model.reduced_vocab
     most = np.argsort(-counts, kind="stable")[:20]
     assert set(most.tolist()) <= set(ids.tolist())
+
+
+def test_heldout_samples_are_the_ones_training_holds_out(built):
+    from dspark.train.cached_data import heldout_samples, split_heldout
+
+    root, model, corpus, key = built
+    examples = cached_examples(corpus, FeatureCache.open(root / "cache", key))
+    _, eval_ids = split_heldout(len(examples), 0.25, 3)
+    assert heldout_samples(corpus, key.max_len, 0.25, 3) == [examples[i].index for i in eval_ids]

@@ -176,8 +176,13 @@ def add_eval_parser(subparsers) -> None:
     )
     parser.add_argument("--target", default="default", help="as for `dspark generate`")
     parser.add_argument("--drafter", default="default", help="none | ngram | default | PATH to a drafter checkpoint")
-    parser.add_argument("--dataset", action="append", required=True,
+    parser.add_argument("--dataset", action="append", default=[],
                         help="JSONL with 'turns' or 'messages' per line; the file name picks the domain (repeatable)")
+    parser.add_argument("--corpus", default=None,
+                        help="roll out the prompts a `dspark train` run held out of this corpus (exact token ids)")
+    parser.add_argument("--heldout-fraction", type=float, default=0.01, help="as the training run's")
+    parser.add_argument("--split-seed", type=int, default=0, help="the training run's seed")
+    parser.add_argument("--max-len", type=int, default=1024, help="the feature cache's max_len")
     parser.add_argument("--num-prompts", type=int, default=10, help="prompts taken from each dataset")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -204,6 +209,22 @@ def _load_dataset_prompts(paths: Sequence[str], num_prompts: int) -> list[tuple[
     return prompts
 
 
+def corpus_rollouts(loaded, drafter, args: argparse.Namespace, sampling, block_size: int) -> list:
+    """Rollouts of the held-out corpus prompts (their exact prompt token ids), as dataset 'heldout':
+    the same prompts whose teacher-forced τ the trainer logs, so the two can be compared."""
+    import torch
+
+    from dspark.eval.rollout import rollout_prompt
+    from dspark.train.cached_data import heldout_samples
+    from dspark.train.corpus import load_corpus
+
+    corpus = load_corpus(args.corpus)
+    indices = heldout_samples(corpus, args.max_len, args.heldout_fraction, args.split_seed)[: args.num_prompts]
+    return [rollout_prompt(loaded, drafter, torch.from_numpy(corpus.prompt_ids(i).astype("int64")),
+                           max_new_tokens=args.max_new_tokens, sampling=sampling, block_size=block_size,
+                           seed=args.seed + n, dataset="heldout") for n, i in enumerate(indices)]
+
+
 def run_eval(args: argparse.Namespace) -> dict:
     from dspark.api import effective_block_size
     from dspark.drafters import load_drafter
@@ -216,6 +237,8 @@ def run_eval(args: argparse.Namespace) -> dict:
     if args.block_size is not None and args.block_size < 0:
         raise DsparkError(f"--block-size must be >= 0, got {args.block_size}")
     sampling = SamplingParams(args.temperature)
+    if not args.dataset and not args.corpus:
+        raise DsparkError("give --dataset FILE (repeatable) and/or --corpus CORPUS")
     prompts = _load_dataset_prompts(args.dataset, args.num_prompts)
     loaded = load_target(args.target, args.dtype)
     drafter = load_drafter(args.drafter, loaded.model)
@@ -224,6 +247,8 @@ def run_eval(args: argparse.Namespace) -> dict:
         drafter = ThresholdDrafter(drafter, args.threshold)
     rollouts = run_rollouts(loaded, drafter, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                             block_size=block_size, seed=args.seed)
+    if args.corpus:
+        rollouts += corpus_rollouts(loaded, drafter, args, sampling, block_size)
     report = {
         "command": "eval",
         "target": loaded.name,

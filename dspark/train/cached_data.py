@@ -6,6 +6,7 @@ Samples are the corpus samples cut to the cache's `max_len`; anchors, labels and
 chosen exactly as in the online path (`anchors.py`), so the two pipelines train the same function.
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,3 +107,19 @@ def answer_mask(corpus) -> np.ndarray:
 def token_counts(corpus, vocab_size: int) -> np.ndarray:
     """How often each target id appears among the corpus *answer* tokens (what the draft must name)."""
     return np.bincount(corpus.tokens[answer_mask(corpus)].astype(np.int64), minlength=vocab_size)
+
+
+def split_heldout(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train indices, held-out indices), a seeded split; at least one training example."""
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
+    num_eval = min(math.ceil(count * fraction), count - 1)
+    return sorted(order[num_eval:]), sorted(order[:num_eval])
+
+
+def heldout_samples(corpus, max_len: int, fraction: float, seed: int) -> list[int]:
+    """Corpus indices of the samples `dspark train` holds out with this fraction and seed (the same
+    filter as `cached_examples`, the same split), so evaluation can roll out exactly those prompts."""
+    lengths = np.minimum(np.diff(corpus.offsets), max_len) - corpus.prompt_lengths
+    usable = np.flatnonzero(lengths >= 2)
+    _, heldout = split_heldout(len(usable), fraction, seed)
+    return [int(usable[i]) for i in heldout]

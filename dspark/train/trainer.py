@@ -33,7 +33,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dspark.errors import DsparkError
 from dspark.train.anchors import anchor_seed, block_labels, sample_anchors, target_positions
-from dspark.train.cached_data import CachedBatch, CachedExample, cached_examples, make_cached_batch, token_counts
+from dspark.train.cached_data import (
+    CachedBatch,
+    CachedExample,
+    cached_examples,
+    make_cached_batch,
+    split_heldout,
+    token_counts,
+)
 from dspark.train.config import TrainConfig
 from dspark.train.feature_cache import FeatureCache, FeatureCacheError
 from dspark.train.features import TargetFeatures
@@ -316,13 +323,6 @@ def load_examples(path: str | Path, tokenizer, seq_len: int) -> list[Example]:
     if not examples:
         raise DsparkError(f"{path}: no usable conversation (each needs >= 2 answer tokens within seq_len)")
     return examples
-
-
-def split_heldout(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train indices, held-out indices), a seeded split; at least one training example."""
-    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
-    num_eval = min(math.ceil(count * fraction), count - 1)
-    return sorted(order[num_eval:]), sorted(order[:num_eval])
 
 
 def batch_indices(num_train: int, batch_size: int, step: int, seed: int) -> list[int]:
