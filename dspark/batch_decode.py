@@ -111,6 +111,29 @@ def supports_batch_decode(model: PreTrainedModel) -> bool:
     return supports_ragged(model) and not getattr(model.config, "sliding_window", None)
 
 
+class HFBatch:
+    """The same interface as `StaticBatch` over any HF causal LM: its own forward and dynamic cache
+    (slower on a CPU, but works for every architecture)."""
+
+    def __init__(self, model: PreTrainedModel, mask: torch.Tensor) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.mask = mask
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+        self.mask = self.mask[keep]
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        if self.cache.get_seq_length() > 0:
+            self.mask = torch.cat([self.mask, real.long()], dim=1)
+        out = self.model(input_ids=tokens, attention_mask=self.mask, position_ids=positions,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+
 @torch.inference_mode()
 def decode_rows(
     model: PreTrainedModel,
@@ -122,8 +145,12 @@ def decode_rows(
     stop: list[int],
 ) -> list[list[int]]:
     """Sample from left-padded prompts `ids`/`mask` (rows, T) until each row emits a stop token (kept,
-    last) or `max_new_tokens`; the new tokens of every row."""
-    batch = StaticBatch(model, ids.shape[0], ids.shape[1] + max_new_tokens)
+    last) or `max_new_tokens`; the new tokens of every row. Llama-family models run on `StaticBatch`,
+    others on their own HF forward."""
+    if supports_batch_decode(model):
+        batch = StaticBatch(model, ids.shape[0], ids.shape[1] + max_new_tokens)
+    else:
+        batch = HFBatch(model, mask)
     rows = torch.arange(ids.shape[0])  # original row of each live cache row
     produced: list[list[int]] = [[] for _ in range(ids.shape[0])]
     done = torch.zeros(ids.shape[0], dtype=torch.bool)

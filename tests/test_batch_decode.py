@@ -60,3 +60,13 @@ def test_shortlist_falls_back_when_the_nucleus_is_wide():
     assert tokens.shape == (2,) and (tokens < 5000).all()
     assert torch.equal(sample_tokens(logits + torch.arange(5000.0), SamplingParams(), None),
                        torch.full((2,), 4999))
+
+
+def test_other_architectures_decode_through_their_own_forward():
+    """GPT-2 has no StaticBatch path: the HF fallback gives the same greedy rows as HF generate."""
+    model = tiny_model("gpt2")
+    prompts = [[5, 9, 11, 3], [7, 8]]
+    ids, mask = left_pad(prompts, pad_id=0)
+    rows = decode_rows(model, ids, mask, 6, SamplingParams(), torch.Generator(), [])
+    assert rows[0] == hf_greedy(model, torch.tensor(prompts[0]), 6)
+    assert len(rows[1]) == 6

@@ -51,16 +51,14 @@ def cached_examples(corpus, cache: FeatureCache) -> list[CachedExample]:
     return examples
 
 
-def make_cached_batch(examples: list[CachedExample], cache: FeatureCache, layers: tuple[int, ...],
-                      seeds: list[int], num_anchors: int, block_size: int, pad_id: int,
-                      device: torch.device) -> CachedBatch:
-    """Pad the examples, sample their anchors and gather features and teacher from the cache."""
+def pad_and_anchor(examples: list, seeds: list[int], num_anchors: int, pad_id: int):
+    """Right-padded input_ids / attention_mask / answer_mask (B, T) of examples with `input_ids` and
+    `answer_start`, and each row's anchors and keep flags (lists of (A,)), one seeded generator per row."""
     length = max(len(e.input_ids) for e in examples)
-    rows = len(examples)
-    input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(rows, length, dtype=torch.long)
-    answer_mask = torch.zeros(rows, length, dtype=torch.bool)
-    anchors, keep, samples = [], [], []
+    input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(examples), length, dtype=torch.long)
+    answer_mask = torch.zeros(len(examples), length, dtype=torch.bool)
+    anchors, keep = [], []
     for row, (example, seed) in enumerate(zip(examples, seeds, strict=True)):
         n = len(example.input_ids)
         input_ids[row, :n] = torch.tensor(example.input_ids)
@@ -69,7 +67,16 @@ def make_cached_batch(examples: list[CachedExample], cache: FeatureCache, layers
         a, k = sample_anchors(answer_mask[row], num_anchors, torch.Generator().manual_seed(seed))
         anchors.append(a)
         keep.append(k)
-        samples.append(cache.sample(example.index, layers))
+    return input_ids, attention_mask, answer_mask, anchors, keep
+
+
+def make_cached_batch(examples: list[CachedExample], cache: FeatureCache, layers: tuple[int, ...],
+                      seeds: list[int], num_anchors: int, block_size: int, pad_id: int,
+                      device: torch.device) -> CachedBatch:
+    """Pad the examples, sample their anchors and gather features and teacher from the cache."""
+    input_ids, attention_mask, answer_mask, anchors, keep = pad_and_anchor(examples, seeds, num_anchors, pad_id)
+    length, rows = input_ids.shape[1], len(examples)
+    samples = [cache.sample(example.index, layers) for example in examples]
     # blocks past the longest answer are padding in every row: drop them (with every answer position an
     # anchor, a fixed anchors_per_seq would mostly be padding)
     used = max(int(k.sum()) for k in keep) or 1

@@ -82,14 +82,19 @@ def block_loss(
     q = log_q.exp()
     p = F.softmax(target_logits.float(), -1)
     l1 = l1_distance(q, p)
+    return _combine(ce_term, l1, w, norm, weight_sum, confidence_logits, weights)
+
+
+def _combine(ce_term: torch.Tensor, l1: torch.Tensor, w: torch.Tensor, norm, weight_sum: torch.Tensor,
+             confidence_logits: torch.Tensor | None, weights: LossWeights) -> LossOutput:
+    """The terms both teachers share once CE and ‖q − p‖₁ are known: the L1 term, the detached soft
+    label c* = 1 − ½‖q − p‖₁, the confidence BCE against it, and the weighted total."""
     tv_term = (l1 * w).sum() / norm
     soft_label = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
-
     conf_term = ce_term.new_zeros(())
     if confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), soft_label, reduction="none")
         conf_term = (bce * w).sum() / norm
-
     total = weights.ce * ce_term + weights.tv * tv_term + weights.conf * conf_term
     accept = (soft_label * w).sum() / norm
     return LossOutput(total, ce_term.detach(), tv_term.detach(), conf_term.detach(), accept.detach(),
@@ -172,18 +177,7 @@ def topk_block_loss(
     ce_term = (ce * w).sum() / norm
 
     l1 = topk_l1_distance(log_q, teacher, target_to_draft)
-    tv_term = (l1 * w).sum() / norm
-    soft_label = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
-
-    conf_term = ce_term.new_zeros(())
-    if confidence_logits is not None:
-        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), soft_label, reduction="none")
-        conf_term = (bce * w).sum() / norm
-
-    total = weights.ce * ce_term + weights.tv * tv_term + weights.conf * conf_term
-    accept = (soft_label * w).sum() / norm
-    return LossOutput(total, ce_term.detach(), tv_term.detach(), conf_term.detach(), accept.detach(),
-                      weight_sum.detach(), soft_label)
+    return _combine(ce_term, l1, w, norm, weight_sum, confidence_logits, weights)
 
 
 def greedy_accepts(logits: torch.Tensor, teacher: TopKTeacher, draft_to_target: torch.Tensor | None) -> torch.Tensor:

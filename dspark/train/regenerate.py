@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dspark import batch_decode
-from dspark.sampling import SamplingParams, sample_tokens
+from dspark.batch_decode import decode_rows
+from dspark.sampling import SamplingParams
 from dspark.train.data import DataError, Prompt
 
 # SmolLM2-Instruct's model card recommends temperature 0.2, top-p 0.9.
@@ -132,51 +132,12 @@ def generate_batch(
     params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p if sampling.temperature else 1.0)
     generator = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
-        decode = batch_decode.decode_rows if batch_decode.supports_batch_decode(model) else decode_rows_hf
-        produced = decode(model, ids, mask, sampling.max_new_tokens, params, generator, stop)
+        produced = decode_rows(model, ids, mask, sampling.max_new_tokens, params, generator, stop)
     answers = []
     for row in produced:
         finished = bool(row) and row[-1] in stop
         answers.append((row, finished))
     return answers
-
-
-def decode_rows_hf(
-    model: PreTrainedModel,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    max_new_tokens: int,
-    params: SamplingParams,
-    generator: torch.Generator,
-    stop: list[int],
-) -> list[list[int]]:
-    """`batch_decode.decode_rows` for any HF causal LM (through its own forward and dynamic cache)."""
-    cache = DynamicCache(config=model.config)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    rows = torch.arange(ids.shape[0])  # original row of each live cache row
-    produced: list[list[int]] = [[] for _ in range(ids.shape[0])]
-    done = torch.zeros(ids.shape[0], dtype=torch.bool)
-    stop_ids = torch.tensor(stop, dtype=torch.long)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]
-    last = positions[:, -1]
-    for step in range(max_new_tokens):
-        tokens = sample_tokens(logits, params, generator)
-        for row, token, finished in zip(rows.tolist(), tokens.tolist(), done.tolist(), strict=True):
-            if not finished:
-                produced[row].append(token)
-        done |= torch.isin(tokens, stop_ids)
-        if bool(done.all()) or step == max_new_tokens - 1:
-            break
-        if int(done.sum()) * 8 >= len(rows):
-            keep = (~done).nonzero().squeeze(-1)
-            cache.batch_select_indices(keep)
-            rows, tokens, mask, last, done = rows[keep], tokens[keep], mask[keep], last[keep], done[keep]
-        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-        last = last + 1
-        logits = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=last[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1]
-    return produced
 
 
 def batch_seed(seed: int, ids: list[str]) -> int:

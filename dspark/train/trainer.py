@@ -32,12 +32,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dspark.errors import DsparkError
-from dspark.train.anchors import anchor_seed, block_labels, sample_anchors, target_positions
+from dspark.train.anchors import anchor_seed, block_labels, target_positions
 from dspark.train.cached_data import (
     CachedBatch,
     CachedExample,
     cached_examples,
     make_cached_batch,
+    pad_and_anchor,
     split_heldout,
     token_counts,
 )
@@ -347,19 +348,7 @@ class Batch:
 
 def make_batch(examples: list[Example], seeds: list[int], num_anchors: int, pad_id: int,
                device: torch.device) -> Batch:
-    length = max(len(e.input_ids) for e in examples)
-    input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(len(examples), length, dtype=torch.long)
-    answer_mask = torch.zeros(len(examples), length, dtype=torch.bool)
-    anchors, keep = [], []
-    for row, (example, seed) in enumerate(zip(examples, seeds, strict=True)):
-        n = len(example.input_ids)
-        input_ids[row, :n] = torch.tensor(example.input_ids)
-        attention_mask[row, :n] = 1
-        answer_mask[row, example.answer_start : n] = True
-        a, k = sample_anchors(answer_mask[row], num_anchors, torch.Generator().manual_seed(seed))
-        anchors.append(a)
-        keep.append(k)
+    input_ids, attention_mask, answer_mask, anchors, keep = pad_and_anchor(examples, seeds, num_anchors, pad_id)
     return Batch(input_ids.to(device), attention_mask.to(device), answer_mask.to(device),
                  torch.stack(anchors).to(device), torch.stack(keep).to(device))
 
