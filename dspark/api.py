@@ -1,4 +1,4 @@
-"""Text-level entry points: `generate` and `stream`, with chat templates and stop strings."""
+"""Text-level entry points: `generate` and `stream`, with chat templates and stop strings (`dspark.text`)."""
 
 import functools
 from collections.abc import Iterator
@@ -13,8 +13,7 @@ from dspark.generation import GenerationStats, speculative_decode
 from dspark.loading import LoadedTarget, dtype_name, load_target, resolve_dtype
 from dspark.sampling import SamplingParams, make_generator
 from dspark.scheduler import SPSTable, get_scheduler
-
-Messages = list[dict[str, str]]
+from dspark.text import Messages, TextAccumulator, eos_token_ids, prompt_ids, validate_prompt  # the server's too
 
 
 @dataclass
@@ -52,39 +51,6 @@ def resolve(target: str | LoadedTarget, drafter: str | Drafter,
     return loaded, drafter
 
 
-def prompt_ids(loaded: LoadedTarget, prompt: str | Messages, chat: bool = True) -> torch.Tensor:
-    """Token ids of the prompt, through the target's chat template unless `chat` is False."""
-    _validate_prompt(prompt)
-    tokenizer = loaded.tokenizer
-    if tokenizer is None:
-        raise DsparkError(f"target {loaded.name} has no tokenizer; pass token ids instead")
-    if chat and tokenizer.chat_template:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
-        ids = encoded["input_ids"]
-    else:
-        text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
-        ids = tokenizer(text)["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def _validate_prompt(prompt: str | Messages) -> None:
-    if isinstance(prompt, str) and not prompt.strip():
-        raise DsparkError("prompt is empty")
-    if isinstance(prompt, list) and not prompt:
-        raise DsparkError("messages are empty")
-
-
-def eos_token_ids(loaded: LoadedTarget) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (loaded.model.generation_config, loaded.model.config, loaded.tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is None:
-            continue
-        ids.update(eos if isinstance(eos, list | tuple | set) else [eos])
-    return frozenset(int(i) for i in ids)
-
-
 def _validate(max_new_tokens: int, block_size: int | None) -> None:
     if max_new_tokens <= 0:
         raise DsparkError(f"max_new_tokens must be > 0, got {max_new_tokens}")
@@ -103,11 +69,6 @@ def effective_block_size(drafter: Drafter, requested: int | None, default: int =
     if limit is not None and requested > limit and limit > 0:
         raise DsparkError(f"block size {requested} exceeds the drafter's block size {limit}; it can only be reduced")
     return requested if limit is None else min(requested, limit)
-
-
-def _stop_cut(text: str, stop: list[str]) -> int | None:
-    hits = [text.find(s) for s in stop if s and s in text]
-    return min(hits) if hits else None
 
 
 @dataclass
@@ -148,7 +109,7 @@ def stream(
     """
     sampling = SamplingParams(temperature, top_k, top_p)
     _validate(max_new_tokens, block_size)
-    _validate_prompt(prompt)
+    validate_prompt(prompt)
     get_scheduler(scheduler)
     loaded, drafter = resolve(target, drafter, dtype)
     block_size = effective_block_size(drafter, block_size)
@@ -180,44 +141,6 @@ def single_request_target(loaded: LoadedTarget, drafter: Drafter) -> TargetBacke
     return make_backend(loaded.model, drafter.target_layer_ids, max_slots=1)
 
 
-class TextAccumulator:
-    """Token ids in, text deltas out. Holds back the tail that could still grow into a stop string
-    (or is an incomplete UTF-8 character) and cuts at the first stop string, keeping the tokens
-    through it (as HF does)."""
-
-    def __init__(self, tokenizer, stop: list[str] | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop or [] if s]
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        self.tokens: list[int] = []
-        self.text = ""
-        self.sent = 0
-        self.stopped = False
-
-    def add(self, tokens: list[int]) -> str:
-        """The text that is now final; after a stop string, everything before it."""
-        self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cut = _stop_cut(text, self.stop)
-        if cut is not None:
-            self.tokens = _tokens_through_stop(self.tokenizer, self.tokens, self.stop)
-            self.text, self.stopped = text[:cut], True
-            return self.flush()
-        self.text = text
-        ready = len(text) - self.holdback
-        while ready > self.sent and text[ready - 1] == "\ufffd":
-            ready -= 1
-        if ready <= self.sent:
-            return ""
-        delta, self.sent = text[self.sent : ready], ready
-        return delta
-
-    def flush(self) -> str:
-        """Whatever was held back (call once generation has ended)."""
-        delta, self.sent = self.text[self.sent :], len(self.text)
-        return delta
-
-
 def _run(handle: TextStream, loaded: LoadedTarget, drafter: Drafter, ids: torch.Tensor, max_new_tokens: int,
          sampling: SamplingParams, seed: int | None, stop: list[str], block_size: int,
          scheduler: str = "fixed") -> Iterator[str]:
@@ -244,14 +167,6 @@ def _run(handle: TextStream, loaded: LoadedTarget, drafter: Drafter, ids: torch.
     stats.finish_reason = finish
     stats.num_generated = len(text.tokens)
     handle.result = GenerationResult(text.text, text.tokens, stats, finish, dtype_name(loaded.model.dtype))
-
-
-def _tokens_through_stop(tokenizer, tokens: list[int], stop: list[str]) -> list[int]:
-    """The shortest prefix of `tokens` whose text contains a stop string (HF keeps that token)."""
-    for n in range(1, len(tokens) + 1):
-        if _stop_cut(tokenizer.decode(tokens[:n], skip_special_tokens=True), stop) is not None:
-            return tokens[:n]
-    return tokens
 
 
 def generate(prompt: str | Messages, **options) -> GenerationResult:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from dspark.ragged import _fuse, _rope, supports_ragged
+from dspark.ragged import fuse_layer, rotate_half, supports_ragged
 from dspark.sampling import SamplingParams, sample_tokens
 
 PREFILL_ROWS = 8  # rows per prefill attention call: bounds the (rows, heads, T, T) score tensor
@@ -31,7 +31,8 @@ class StaticBatch:
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
-        self.layers = [_fuse(layer, self.num_heads, self.num_kv_heads, self.head_dim) for layer in model.model.layers]
+        self.layers = [fuse_layer(layer, self.num_heads, self.num_kv_heads, self.head_dim)
+                       for layer in model.model.layers]
         dtype = model.model.embed_tokens.weight.dtype
         shape = (rows, self.num_kv_heads, capacity, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
@@ -80,7 +81,7 @@ class StaticBatch:
         v = qkv[..., q_size + kv_size :].view(rows, size, self.num_kv_heads, self.head_dim)
         if layer.q_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         end = start + size
         self.keys[index][:, :, start:end] = k.transpose(1, 2)
         self.values[index][:, :, start:end] = v.transpose(1, 2)

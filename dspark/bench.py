@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.api import effective_block_size, eos_token_ids, prompt_ids, scheduler_for, single_request_target
+from dspark.api import effective_block_size, scheduler_for, single_request_target
 from dspark.drafters import load_drafter
 from dspark.errors import DsparkError
 from dspark.eval.datasets import load_prompts
@@ -19,6 +19,7 @@ from dspark.generation import GenerationStats, speculative_decode
 from dspark.loading import LoadedTarget, dtype_name, load_target
 from dspark.sampling import SamplingParams
 from dspark.target import Target
+from dspark.text import eos_token_ids, prompt_ids
 
 
 @dataclass

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import torch
 
-from dspark.api import effective_block_size, eos_token_ids, prompt_ids
+from dspark.api import effective_block_size
 from dspark.drafters import load_drafter
 from dspark.engine import Engine, Request, make_backend
 from dspark.eval.datasets import load_prompts
 from dspark.loading import dtype_name, load_target
 from dspark.ragged import RaggedTarget, Segment
+from dspark.text import eos_token_ids, prompt_ids
 
 DEFAULT_POLICIES = ("none", "fixed-1", "fixed-3", "fixed-5", "fixed-7", "threshold", "dspark", "dspark-async")
 
@@ -125,7 +126,7 @@ def _print_load_table(report: dict) -> None:
 
 def plot_load(report: dict, plot_dir: Path) -> list[str]:
     """Throughput vs per-user speed (paper Fig. 7) and verification budget vs concurrency (Fig. 8)."""
-    from dspark.eval.report import plot_lines
+    from dspark.plots import plot_lines
 
     policies = report["policies"]
     frontier = plot_lines({name: (row["per_user"], row["throughput"]) for name, row in policies.items()},

@@ -6,6 +6,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from dspark.cli_args import add_dtype_arg
 from dspark.errors import DsparkError
 
 
@@ -14,15 +15,6 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
-
-
-def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
-    """`--dtype` for every command that loads a target."""
-    from dspark.loading import DTYPE_NAMES
-
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                        help="target dtype (default auto: bfloat16 on CPUs with native bf16 (AVX512-BF16/AMX) and on "
-                             "CUDA GPUs that support it, else float32)")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -177,7 +169,7 @@ def run_bench_ragged(args: argparse.Namespace) -> None:
 
 
 def add_report_parser(subparsers) -> None:
-    from dspark.eval.results import add_report_parser as add
+    from dspark.report import add_report_parser as add
 
     add(subparsers)
 
@@ -201,7 +193,7 @@ def add_calibrate_parser(subparsers) -> None:
 
 
 def add_eval_parser(subparsers) -> None:
-    from dspark.eval.evaluate import add_eval_parser as add
+    from dspark.cli_eval import add_eval_parser as add
 
     add(subparsers)
 

@@ -119,7 +119,8 @@ class RaggedTarget:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
         is_mistral = getattr(config, "model_type", "") == "mistral"
         self.window = getattr(config, "sliding_window", None) if is_mistral else None
-        self.layers = [_fuse(layer, self.num_heads, self.num_kv_heads, self.head_dim) for layer in model.model.layers]
+        self.layers = [fuse_layer(layer, self.num_heads, self.num_kv_heads, self.head_dim)
+                       for layer in model.model.layers]
         self.max_slots = max_slots
         dtype = model.model.embed_tokens.weight.dtype
         self.cache = SlotCache(self.num_layers, max_slots, self.num_kv_heads, self.head_dim, dtype, self.device)
@@ -207,7 +208,7 @@ class RaggedTarget:
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if layer.q_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         keys, values = self.cache.keys[index], self.cache.values[index]
         for slot, start, size, offset in plan.rows():
             keys[slot, :, start : start + size] = k[offset : offset + size].transpose(0, 1)
@@ -262,7 +263,7 @@ class _FusedLayer:
     k_norm: torch.nn.Module | None
 
 
-def _fuse(layer: torch.nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> _FusedLayer:
+def fuse_layer(layer: torch.nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> _FusedLayer:
     """One matmul for q/k/v and one for gate/up. The HF parameters become views of the fused
     tensors, so the model still runs through HF (training features, fallbacks) and memory is shared."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -304,7 +305,7 @@ def _back_to_back(parts: list[torch.Tensor]) -> torch.Tensor | None:
     return first.new_empty(0).set_(storage, first.storage_offset(), (rows, *first.shape[1:]))
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (N, H, hd) with cos/sin (N, 1, hd); rotate-half convention."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin

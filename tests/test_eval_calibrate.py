@@ -10,6 +10,13 @@ import pytest
 import torch
 from conftest import TINY_GAMMA
 
+from dspark.calibration import (
+    calibration_arrays,
+    fit_sequential_temperatures,
+    position_reports,
+    sigmoid,
+    store_temperatures,
+)
 from dspark.cli import main
 from dspark.drafters.base import Draft
 from dspark.drafters.checkpoint import load_dspark, read_config
@@ -28,13 +35,6 @@ from dspark.eval.rollout import RoundRecord, rollout_prompt
 from dspark.generation import GenerationStats
 from dspark.loading import load_target
 from dspark.sampling import SamplingParams
-from dspark.train.calibrate import (
-    calibration_arrays,
-    fit_sequential_temperatures,
-    position_reports,
-    sigmoid,
-    store_temperatures,
-)
 
 # ------------------------------------------------------------------------------------ metrics
 
@@ -242,8 +242,8 @@ def test_temperatures_round_trip_and_change_confidence(tiny_dirs, tmp_path):
 
 
 def test_rollout_records_match_stats_and_raw_logits(tiny_dirs, tmp_path):
-    from dspark.api import prompt_ids
     from dspark.drafters import load_drafter
+    from dspark.text import prompt_ids
 
     path = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
     temperatures = [2.0, 0.5, 1.0, 3.0]
@@ -328,7 +328,7 @@ def test_calibrate_refuses_drafter_without_confidence_head(tiny_dirs, capsys):
 
 
 def test_replayed_sweeps_by_hand():
-    from dspark.eval.results import threshold_sweep, verify_length_sweep
+    from dspark.eval.evaluate import threshold_sweep, verify_length_sweep
 
     rounds = [RoundRecord(3, 3, [0.9, 0.8, 0.5]), RoundRecord(3, 0, [0.4, 0.9, 0.9]),
               RoundRecord(3, 1, [0.9, 0.5, 1.0])]

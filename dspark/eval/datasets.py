@@ -1,9 +1,15 @@
 """Evaluation prompts in DeepSpec's format: one `{"turns": [...]}` (or `{"messages": [...]}`) per line."""
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from dspark.errors import DsparkError
+
+
+def dataset_name(path: str | Path) -> str:
+    """Benchmark name of a prompt file: its stem, lower case, with '_' read as '-'."""
+    return Path(path).stem.lower().replace("_", "-")
 
 
 def default_dataset(name: str) -> Path:
@@ -34,6 +40,17 @@ def load_prompts(path: str | Path, num_prompts: int | None = None) -> list[str]:
                 break
     if not prompts:
         raise DsparkError(f"dataset {path} holds no prompts")
+    return prompts
+
+
+def load_dataset_prompts(paths: Sequence[str | Path], num_prompts: int) -> list[tuple[str, str]]:
+    """(dataset name, prompt) for the first `num_prompts` of each file; a stem given twice gets '#2'."""
+    prompts, seen = [], {}
+    for path in paths:
+        name = dataset_name(path)
+        seen[name] = seen.get(name, 0) + 1
+        label = name if seen[name] == 1 else f"{name}#{seen[name]}"  # same stem twice: keep both apart
+        prompts += [(label, prompt) for prompt in load_prompts(path, num_prompts)]
     return prompts
 
 

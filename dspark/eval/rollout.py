@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
-from dspark.api import eos_token_ids, prompt_ids, single_request_target
+from dspark.api import single_request_target
 from dspark.drafters.base import Draft, Drafter
 from dspark.generation import GenerationStats, speculative_decode
 from dspark.loading import LoadedTarget
 from dspark.sampling import SamplingParams, make_generator
+from dspark.text import eos_token_ids, prompt_ids
 
 
 @dataclass

@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dspark.api import TextAccumulator, eos_token_ids, prompt_ids
 from dspark.engine import GenerationFailed
 from dspark.engine import Request as EngineRequest
 from dspark.errors import DsparkError
@@ -43,6 +42,7 @@ from dspark.server.service import (
     ServiceStopped,
     Submission,
 )
+from dspark.text import TextAccumulator, eos_token_ids, prompt_ids
 
 log = logging.getLogger("dspark.server")
 

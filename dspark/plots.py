@@ -1,4 +1,4 @@
-"""PNG plots for `dspark eval` and `dspark calibrate` (matplotlib, Agg backend: no display needed).
+"""PNG plots for `dspark eval`, `calibrate`, `bench load` and `report` (matplotlib, Agg backend: no display).
 
 matplotlib is imported only when a plot is asked for, so evaluation without plots does not need it.
 """
@@ -11,7 +11,8 @@ from dspark.errors import DsparkError
 from dspark.eval.metrics import reliability_bins
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend; a one-line error when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError as error:
@@ -22,7 +23,8 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: str | Path) -> Path:
+def save_figure(fig, path: str | Path) -> Path:
+    """Write `fig` to `path` (creating its folder), laid out tight."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -32,7 +34,7 @@ def _save(fig, path: str | Path) -> Path:
 
 def plot_position_acceptance(rates: Mapping[str, Sequence[float | None]], path: str | Path) -> Path:
     """Grouped bars: conditional acceptance per draft position (paper Fig. 2), one group per series."""
-    plt = _pyplot()
+    plt = pyplot()
     length = max((len(r) for r in rates.values()), default=0)
     width = 0.8 / max(len(rates), 1)
     fig, ax = plt.subplots(figsize=(max(5, 0.9 * length + 2), 3.5))
@@ -46,7 +48,7 @@ def plot_position_acceptance(rates: Mapping[str, Sequence[float | None]], path: 
     ax.set_title("Per-position conditional acceptance")
     ax.legend(fontsize=8)
     try:
-        return _save(fig, path)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
 
@@ -54,7 +56,7 @@ def plot_position_acceptance(rates: Mapping[str, Sequence[float | None]], path: 
 def plot_lines(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], path: str | Path, *, xlabel: str,
                ylabel: str, title: str, log2_x: bool = False) -> Path:
     """One line with markers per named (xs, ys) series."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for name, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", label=name)
@@ -65,14 +67,14 @@ def plot_lines(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], pa
     ax.set_title(title)
     ax.legend(fontsize=8)
     try:
-        return _save(fig, path)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
 
 
 def plot_accepted_histogram(histograms: Mapping[str, Sequence[int]], path: str | Path) -> Path:
     """Fraction of rounds accepting exactly n drafts, one line per series."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     for name, counts in histograms.items():
         total = sum(counts) or 1
@@ -83,7 +85,7 @@ def plot_accepted_histogram(histograms: Mapping[str, Sequence[int]], path: str |
     ax.set_title("Accepted-length histogram")
     ax.legend(fontsize=8)
     try:
-        return _save(fig, path)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
 
@@ -95,7 +97,7 @@ def plot_reliability(
 ) -> Path:
     """Reliability diagrams (paper Fig. 6), one panel per (title, before, after, outcomes): observed
     frequency vs mean prediction per bin, before and after calibration, over the sample histogram."""
-    plt = _pyplot()
+    plt = pyplot()
     cols = min(4, max(len(panels), 1))
     rows = math.ceil(len(panels) / cols) or 1
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
@@ -120,6 +122,6 @@ def plot_reliability(
         ax.set_ylabel("observed acceptance", fontsize=8)
         ax.legend(fontsize=7, loc="lower right")
     try:
-        return _save(fig, path)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)

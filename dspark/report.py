@@ -1,4 +1,5 @@
-"""`dspark report`: regenerate docs/RESULTS.md and its figures from one run.
+"""`dspark report`: regenerate docs/RESULTS.md and its figures from one run (the top layer below
+the server: it composes eval rollouts, calibration, the benchmarks and the plots).
 
 Every number in the report comes from this run: real speculative rollouts through the engine on the
 shared evaluation prompts (τ, per-position acceptance, calibration), the verify-length and threshold
@@ -18,46 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dspark.cli_args import add_dtype_arg
 from dspark.errors import DsparkError
-from dspark.eval.evaluate import _load_dataset_prompts, evaluation_report
-from dspark.eval.metrics import acceptance_rate, tau
+from dspark.eval.datasets import load_dataset_prompts
+from dspark.eval.evaluate import evaluation_report, threshold_sweep, verify_length_sweep
 from dspark.eval.rollout import RoundRecord, run_rollouts
 
 DEFAULT_DATASETS = ("math500", "humaneval", "mbpp", "mt-bench")
-THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))
-
-
-# ------------------------------------------------------------------------ replayed sweeps
-
-
-def _r(value) -> float | None:
-    return None if value is None else round(float(value), 4)
-
-
-def verify_length_sweep(rounds: list[RoundRecord], max_length: int) -> list[dict]:
-    """τ and acceptance rate had each round verified only its first ℓ drafts, ℓ = 1..max_length.
-    Replayed from rounds verified at full length: at T = 0 a round's accepted prefix does not depend
-    on how many drafts follow it, so min(accepted, ℓ) is what a shorter verify would have accepted."""
-    rows = []
-    for length in range(1, max_length + 1):
-        drafted = [min(r.drafted, length) for r in rounds]
-        accepted = [min(r.accepted, length) for r in rounds]
-        rows.append({"verify_length": length, "tau": _r(tau(accepted)),
-                     "acceptance_rate": _r(acceptance_rate(drafted, accepted))})
-    return rows
-
-
-def threshold_sweep(rounds: list[RoundRecord], thresholds=THRESHOLDS) -> list[dict]:
-    """Tokens per round and acceptance rate under the static cut 'verify while a_k ≥ t', replayed
-    from full-length rounds with confidences (paper Fig. 5)."""
-    scored = [r for r in rounds if r.survival is not None]
-    rows = []
-    for t in thresholds:
-        cuts = [next((k for k, a in enumerate(r.survival) if a < t), r.drafted) for r in scored]
-        accepted = [min(r.accepted, cut) for r, cut in zip(scored, cuts, strict=True)]
-        rows.append({"threshold": t, "verified_per_round": _r(np.mean(cuts)) if cuts else 0.0,
-                     "tokens_per_round": _r(tau(accepted)), "acceptance_rate": _r(acceptance_rate(cuts, accepted))})
-    return rows
 
 
 # ------------------------------------------------------------------------------- measuring
@@ -81,9 +49,10 @@ def _cpu_count() -> int:
 
 def draft_latency(loaded, drafter, gamma: int, repeats: int = 9) -> dict:
     """Median draft time per round for ℓ = 1..γ tokens and one verify forward of γ+1 tokens (ms)."""
-    from dspark.api import prompt_ids, single_request_target
+    from dspark.api import single_request_target
     from dspark.ragged import Segment
     from dspark.sampling import SamplingParams
+    from dspark.text import prompt_ids
 
     ids = prompt_ids(loaded, "Write a Python function that merges two sorted lists.")
     target = single_request_target(loaded, drafter)
@@ -127,13 +96,14 @@ def acceptance_section(loaded, drafters: dict, prompts, args) -> dict:
 
 def calibration_section(loaded, drafter, rounds: list[RoundRecord], gamma: int, plot_path: Path) -> dict | None:
     """Reliability of a_k on the evaluation rounds, raw (T = 1) vs the checkpoint's temperatures."""
-    from dspark.train.calibrate import _plot, calibration_arrays, pooled_report, position_reports
+    from dspark.calibration import calibration_arrays, pooled_report, position_reports
+    from dspark.train.calibrate import plot_calibration
 
     temperatures = getattr(drafter.config, "calibration_temperatures", None)
     if temperatures is None or not any(r.raw_logits for r in rounds):
         return None
     logits, outcomes = calibration_arrays(rounds, gamma)
-    _plot(str(plot_path), logits, outcomes, temperatures, 10)
+    plot_calibration(str(plot_path), logits, outcomes, temperatures, 10)
     return {"temperatures": temperatures, "pooled": pooled_report(logits, outcomes, temperatures),
             "positions": [p.to_dict() for p in position_reports(logits, outcomes, temperatures)]}
 
@@ -268,11 +238,11 @@ DISCUSSION = (
 
 
 def plot_sweeps(data: dict, plot_dir: Path) -> None:
-    from dspark.eval.report import _pyplot, _save, plot_position_acceptance
+    from dspark.plots import plot_position_acceptance, pyplot, save_figure
 
     plot_position_acceptance({n: r["position_acceptance"] for n, r in data["acceptance"].items()},
                              plot_dir / "position_acceptance.png")
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     sweep = data["verify_length_sweep"]
     lengths = [r["verify_length"] for r in sweep]
@@ -284,7 +254,7 @@ def plot_sweeps(data: dict, plot_dir: Path) -> None:
               color="tab:red", label="draft / verify time")
     twin.set_ylabel("draft time / verify time")
     fig.legend(loc="upper left", fontsize=8)
-    _save(fig, plot_dir / "verify_length.png")
+    save_figure(fig, plot_dir / "verify_length.png")
     plt.close(fig)
     if data.get("block_sizes"):
         fig, ax = plt.subplots(figsize=(5.5, 3.5))
@@ -295,7 +265,7 @@ def plot_sweeps(data: dict, plot_dir: Path) -> None:
         ax.set_xlabel("block size γ")
         ax.set_ylabel("ms")
         ax.legend(fontsize=8)
-        _save(fig, plot_dir / "block_size_latency.png")
+        save_figure(fig, plot_dir / "block_size_latency.png")
         plt.close(fig)
     if data.get("thresholds"):
         fig, ax = plt.subplots(figsize=(5.5, 3.5))
@@ -309,7 +279,7 @@ def plot_sweeps(data: dict, plot_dir: Path) -> None:
                   label="acceptance rate")
         twin.set_ylim(0, 1)
         fig.legend(loc="upper right", fontsize=8)
-        _save(fig, plot_dir / "threshold_sweep.png")
+        save_figure(fig, plot_dir / "threshold_sweep.png")
         plt.close(fig)
 
 
@@ -317,8 +287,6 @@ def plot_sweeps(data: dict, plot_dir: Path) -> None:
 
 
 def add_report_parser(subparsers) -> None:
-    from dspark.cli import add_dtype_arg
-
     parser = subparsers.add_parser("report", help="regenerate docs/RESULTS.md and its figures from one run")
     parser.add_argument("--target", default="default")
     parser.add_argument("--drafter", action="append", default=None,
@@ -357,7 +325,7 @@ def run_report(args: argparse.Namespace) -> dict:
 
     loaded = load_target(args.target, args.dtype)
     drafters = {name: load_drafter(spec, loaded.model) for name, spec in specs.items()}
-    prompts = _load_dataset_prompts(paths, args.num_prompts)
+    prompts = load_dataset_prompts(paths, args.num_prompts)
     data: dict = {"command": "dspark " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["report"] else "dspark report",
                   "environment": environment(),
                   "args": {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "seed": args.seed,

@@ -1,0 +1,13 @@
+"""Command-line flags that commands on several layers share; here, below all of them, so that no
+command module imports the top-level `dspark.cli`."""
+
+import argparse
+
+
+def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    """`--dtype` for every command that loads a target."""
+    from dspark.loading import DTYPE_NAMES
+
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                        help="target dtype (default auto: bfloat16 on CPUs with native bf16 (AVX512-BF16/AMX) and on "
+                             "CUDA GPUs that support it, else float32)")
