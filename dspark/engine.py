@@ -249,7 +249,8 @@ class Engine:
         states, to find the one at fault (batched drafters only read their states in a proposal)."""
         if not requests:
             return []
-        if type(self.drafter).propose_batch is Drafter.propose_batch:  # a loop anyway: isolate each call
+        # a loop anyway (or a duck-typed wrapper without its own batch method): isolate each call
+        if getattr(type(self.drafter), "propose_batch", Drafter.propose_batch) is Drafter.propose_batch:
             return [self._propose_alone(r, b) for r, b in zip(requests, budgets, strict=True)]
         saved = [_generator_state(r.generator) for r in requests]
         try:
