@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from dspark.train.anchors import anchor_seed
-from dspark.train.cached_data import cached_examples, token_counts
+from dspark.train.cached_data import cached_examples
 from dspark.train.config import TrainConfig
 from dspark.train.feature_cache import CacheKey, FeatureCache, build_cache, model_fingerprint
 from dspark.train.features import TargetFeatures
@@ -29,13 +29,14 @@ from dspark.train.trainer import (
     Example,
     Run,
     build_optimizer,
+    choose_draft_vocab,
     loss_weights,
     step_batch_from_seeds,
     train_step,
 )
 
 
-def _pipeline(config: TrainConfig, target, run: Run) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
+def _pipeline(config: TrainConfig, target) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(config.seed)
     drafter = DRAFTERS[config.drafter_type].build(config, target.model).float().train()
     return drafter, BlockForward(drafter, DRAFTERS[config.drafter_type].blocks), build_optimizer(drafter, config)
@@ -45,7 +46,9 @@ def bench_train(config: TrainConfig, corpus, target, *, samples: int = 8, steps:
                 top_k: int = 32, max_len: int = 1024) -> dict:
     """Time `steps` training steps (after `warmup`) of both pipelines on the first `samples` corpus samples."""
     subset = corpus.select(list(range(min(samples, corpus.num_samples))))
-    layers = DRAFTERS[config.drafter_type].build(config, target.model).config.target_layer_ids
+    online_config = dataclasses.replace(config, feature_cache=None, draft_vocab_size=None)
+    online_probe = _pipeline(online_config, target)
+    layers = online_probe[0].config.target_layer_ids
     pad_id = target.tokenizer.pad_token_id if target.tokenizer is not None else 0
     pad_id = pad_id if pad_id is not None else 0
     with tempfile.TemporaryDirectory(prefix="dspark-bench-train-") as tmp:
@@ -59,25 +62,17 @@ def bench_train(config: TrainConfig, corpus, target, *, samples: int = 8, steps:
         cached_set = cached_examples(subset, cache)
         online_set = [Example(e.input_ids, e.answer_start) for e in cached_set]
 
-        online_config = dataclasses.replace(config, feature_cache=None, draft_vocab_size=None)
         online_run = Run(online_config, Dist(), TargetFeatures(target.model, tuple(layers)),
                          loss_weights(online_config), pad_id, layer_ids=tuple(layers))
-        online = _pipeline(online_config, target, online_run)
+        online = online_probe
 
         cached_config = dataclasses.replace(config, feature_cache=str(Path(tmp) / "cache"))
         cached_run = Run(cached_config, Dist(), None, loss_weights(cached_config), pad_id, cache=cache,
                          layer_ids=tuple(layers))
-        cached = _pipeline(cached_config, target, cached_run)
+        cached = _pipeline(cached_config, target)
         coverage = None
         if getattr(cached[0], "reduced_vocab", False):
-            from dspark.drafters.vocab import coverage as vocab_coverage
-            from dspark.drafters.vocab import select_draft_vocab
-
-            counts = token_counts(corpus, cached[0].config.vocab_size)
-            special = [i for i in (getattr(target.tokenizer, "all_special_ids", None) or []) if i < len(counts)]
-            ids = select_draft_vocab(counts, cached[0].config.draft_vocab_size, always=special)
-            cached[0].set_draft_vocab(ids)
-            coverage = vocab_coverage(counts, ids)
+            coverage = choose_draft_vocab(cached[0], corpus, target.tokenizer)
             cached_run.target_to_draft = cached[0].target_to_draft()
             cached_run.draft_to_target = cached[0].draft_to_target()
 

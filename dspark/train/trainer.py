@@ -568,10 +568,12 @@ def drafter_autocast(config: TrainConfig, device: torch.device):
     return torch.autocast(device.type, dtype=getattr(torch, config.autocast))
 
 
-def batch_loss(run: Run, batch: Batch | CachedBatch, module: nn.Module, global_norm: bool = True):
+def batch_loss(run: Run, batch: Batch | CachedBatch, module: nn.Module, global_norm: bool = True,
+               greedy: bool = False):
     """Loss of one local batch, and (valid (B, A, γ), greedy (B, A, γ) bool or None: the draft's argmax
-    is the target's). With global_norm the normaliser is the global Σw / world size, so that DDP's
-    gradient average is the gradient of the global weighted mean. The teacher is the online target
+    is the target's, only when `greedy`: evaluation wants it, a training step does not). With global_norm
+    the normaliser is the global Σw / world size, so that DDP's gradient average is the gradient of the
+    global weighted mean. The teacher is the online target
     (full logits) or the feature cache (top-k)."""
     config = run.config
     labels, valid = block_labels(batch.input_ids, batch.answer_mask, batch.anchors, batch.keep, config.block_size)
@@ -591,12 +593,12 @@ def batch_loss(run: Run, batch: Batch | CachedBatch, module: nn.Module, global_n
     if run.cache is not None:
         out = topk_block_loss(logits, batch.teacher, labels, valid, confidence_logits, run.weights,
                               config.decay_lambda, normalizer, run.target_to_draft)
-        greedy = greedy_accepts(logits.detach(), batch.teacher, run.draft_to_target) & valid
+        agree = greedy_accepts(logits.detach(), batch.teacher, run.draft_to_target) & valid if greedy else None
     else:
         out = block_loss(logits, target_logits, labels, valid, confidence_logits, run.weights, config.decay_lambda,
                          normalizer)
-        greedy = None
-    return out, (valid, greedy)
+        agree = None
+    return out, (valid, agree)
 
 
 def train_step(run: Run, batch: Batch | CachedBatch, module: nn.Module, drafter: nn.Module,
@@ -626,7 +628,7 @@ def evaluate(run: Run, drafter_forward: nn.Module, examples: list) -> dict:
         indices = mine[start : start + per_rank]
         seeds = [anchor_seed(config.seed + 1, 0, i) for i in indices]
         batch = step_batch_from_seeds(run, [examples[i] for i in indices], seeds)
-        out, (valid, greedy) = batch_loss(run, batch, drafter_forward, global_norm=False)
+        out, (valid, greedy) = batch_loss(run, batch, drafter_forward, global_norm=False, greedy=True)
         weight = out.weight_sum.item()
         keep = valid.any(-1)
         for name, value in (("loss", out.total), ("ce", out.ce), ("tv", out.tv), ("conf", out.conf)):
@@ -814,19 +816,25 @@ def open_cached_data(run: Run, config: TrainConfig, target, drafter: nn.Module) 
     run.cache = cache
     if getattr(drafter, "reduced_vocab", False):
         if not config.init_from:
-            from dspark.drafters.vocab import coverage, select_draft_vocab
-
-            counts = token_counts(corpus, drafter.config.vocab_size)
-            special = [i for i in (getattr(target.tokenizer, "all_special_ids", None) or [])
-                       if 0 <= i < drafter.config.vocab_size]
-            ids = select_draft_vocab(counts, drafter.config.draft_vocab_size, always=special)
-            drafter.set_draft_vocab(ids)
+            share = choose_draft_vocab(drafter, corpus, target.tokenizer)
             if run.dist.main:
-                print(f"[dspark] draft vocabulary: {len(ids)} ids cover {coverage(counts, ids):.2%} of the answer "
-                      "tokens", file=sys.stderr)
+                print(f"[dspark] draft vocabulary: {drafter.config.draft_vocab_size} ids cover {share:.2%} of the "
+                      "answer tokens", file=sys.stderr)
         run.target_to_draft = drafter.target_to_draft().to(run.dist.device)
         run.draft_to_target = drafter.draft_to_target().to(run.dist.device)
     return cached_examples(corpus, cache)
+
+
+def choose_draft_vocab(drafter: nn.Module, corpus, tokenizer) -> float:
+    """Give a reduced-vocabulary drafter the corpus's most frequent answer tokens (plus the special
+    tokens, which must stay draftable); returns the share of answer tokens they cover."""
+    from dspark.drafters.vocab import coverage, select_draft_vocab
+
+    counts = token_counts(corpus, drafter.config.vocab_size)
+    special = [i for i in (getattr(tokenizer, "all_special_ids", None) or []) if 0 <= i < len(counts)]
+    ids = select_draft_vocab(counts, drafter.config.draft_vocab_size, always=special)
+    drafter.set_draft_vocab(ids)
+    return coverage(counts, ids)
 
 
 #: fields that may differ between a run and its resumption
