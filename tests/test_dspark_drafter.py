@@ -65,13 +65,16 @@ def test_default_target_layer_ids():
     assert DSparkConfig.for_target(tiny_target().config).target_layer_ids == (1,)
 
 
+@pytest.mark.parametrize("last_context", [False, True], ids=["attention-only", "last-context-input"])
 @pytest.mark.parametrize("draft_ids", [None, DRAFT_IDS], ids=["full-vocab", "draft-vocab"])
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
-def test_train_serve_parity(target, head_type, draft_ids):
+def test_train_serve_parity(target, head_type, draft_ids, last_context):
     """forward_train on batched anchors == per-request inference path (backbone, heads, confidence);
-    with a reduced vocabulary forward_train's logits are over the draft ids and q is their scatter."""
+    with a reduced vocabulary forward_train's logits are over the draft ids and q is their scatter;
+    with last_context_input both feed every slot the projected feature of the position before the anchor."""
     temperatures = [0.5, 1.0, 1.5, 2.0, 3.0] if head_type == "rnn" else None
-    model = make_model(target, head_type, calibration_temperatures=temperatures, draft_ids=draft_ids)
+    model = make_model(target, head_type, calibration_temperatures=temperatures, draft_ids=draft_ids,
+                       last_context_input=last_context)
     drafter = DSparkDrafter(model)
     torch.manual_seed(2)
     ids = torch.randint(0, VOCAB, (2, 24))
@@ -127,6 +130,38 @@ def test_train_serve_parity(target, head_type, draft_ids):
     with torch.no_grad():
         again = model.forward_train(feats, forced, anchors)
     torch.testing.assert_close(again.logits[b, j], out.logits[b, j])
+
+
+def test_last_context_input(target, tmp_path):
+    """The slots read H_ctx[a-1] directly: changing only the feature before the anchor moves every slot's
+    logits even with the context attention cut off; a zero projection is exactly the plain drafter; the
+    option and its weight survive a checkpoint round trip."""
+    from dspark.train.drafter_specs import warm_start
+
+    model = make_model(target, "vanilla", last_context_input=True)
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3))
+    feats, anchors = features(target, ids), torch.tensor([[9]])
+    before = torch.zeros_like(feats)
+    before[:, 8] = 1.0
+    with torch.no_grad():
+        base = model.forward_train(feats, ids, anchors).logits
+        moved = model.forward_train(feats + before, ids, anchors).logits
+        assert (moved - base).abs().amax(-1).min() > 1e-3  # every slot
+        plain = make_model(target, "vanilla")
+        plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("last_context")})
+        warm_start(model, target)
+        plain.markov_head.markov_w2.weight.zero_()
+        torch.testing.assert_close(model.forward_train(feats, ids, anchors).logits,
+                                   plain.forward_train(feats, ids, anchors).logits)
+
+    model = make_model(target, "vanilla", last_context_input=True)
+    save_pretrained(model, tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["last_context_input"] is True
+    loaded = load_model(tmp_path / "ckpt")
+    assert loaded.config.last_context_input and torch.equal(loaded.last_context_proj.weight,
+                                                            model.last_context_proj.weight)
+    save_pretrained(plain, tmp_path / "plain")
+    assert "last_context_input" not in json.loads((tmp_path / "plain" / "config.json").read_text())
 
 
 def test_confidence_head_inputs(target):

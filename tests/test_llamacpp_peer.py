@@ -113,6 +113,15 @@ def test_target_gguf_choices(monkeypatch, tmp_path):
         target_gguf("org/model", None, "native")
 
 
+@pytest.mark.parametrize("extension", [{"draft_vocab_size": 8192}, {"last_context_input": True}])
+def test_a_drafter_with_our_layout_extensions_is_not_sent_to_llamacpp(tmp_path, extension):
+    (tmp_path / "config.json").write_text(json.dumps({"block_size": 5, **extension}))
+    with pytest.raises(PeerUnavailable, match="llama.cpp does not load"):
+        llamacpp.drafter_block_size(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"block_size": 5}))
+    assert llamacpp.drafter_block_size(tmp_path) == 5
+
+
 def test_missing_wheel_and_binary_is_a_clear_message(monkeypatch):
     monkeypatch.setattr(llamacpp, "SERVER_WHEEL", "no_such_llama_server_wheel")
     monkeypatch.setattr(llamacpp.shutil, "which", lambda name: None)

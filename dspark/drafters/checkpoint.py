@@ -7,24 +7,24 @@ extras live under a `dspark` sub-dict. The target's embedding and LM head are no
 
 A drafter with a reduced draft vocabulary (EAGLE-3 style) also writes top-level `draft_vocab_size` in
 config.json and its `d2t` / `t2d` buffers in model.safetensors; only we load those (DeepSpec, llama.cpp
-and SGLang read full-vocabulary DSpark checkpoints, whose files stay exactly as before).
+and SGLang read full-vocabulary DSpark checkpoints, whose files stay exactly as before). A drafter with
+`last_context_input` writes top-level `last_context_input: true` and a `last_context_proj` weight, which
+likewise only we load.
 """
 
 import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
-from dspark.drafters.files import CONFIG_FILE, WEIGHTS_FILE, index_shard_files, read_config_json
+from dspark.drafters.files import CONFIG_FILE, WEIGHTS_FILE, read_config_json, read_weights
 from dspark.drafters.vocab import check_target_ids, ids_from_offsets, t2d_mask
 from dspark.errors import DrafterLoadError
 
 ARCHITECTURE = "Qwen3DSparkModel"
-WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 EMBEDDING_KEYS = ("embed_tokens.weight", "lm_head.weight")
 FORMAT_VERSION = 1
 
@@ -63,6 +63,8 @@ def config_to_dict(config: DSparkConfig, dtype: torch.dtype | None = None) -> di
     }
     if config.draft_vocab_size is not None:  # absent for full-vocabulary checkpoints: their config is unchanged
         data["draft_vocab_size"] = config.draft_vocab_size
+    if config.last_context_input:  # likewise absent unless used
+        data["last_context_input"] = True
     if dtype is not None:
         data["dtype"] = data["torch_dtype"] = str(dtype).removeprefix("torch.")
     return data
@@ -111,6 +113,7 @@ def config_from_dict(data: dict, where: str = "config") -> DSparkConfig:
             calibration_temperatures=extras.get("calibration_temperatures"),
             num_anchors=int(data.get("num_anchors") or 512),
             draft_vocab_size=data.get("draft_vocab_size"),
+            last_context_input=bool(data.get("last_context_input", False)),
         )
     except (ValueError, TypeError) as error:
         raise DrafterLoadError(f"{where}: {error}") from error
@@ -143,25 +146,6 @@ def save_pretrained(
                for k, v in state.items()}
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     (path / CONFIG_FILE).write_text(json.dumps(config_to_dict(model.config, dtype), indent=2) + "\n")
-
-
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    index_file = path / WEIGHTS_INDEX_FILE
-    if (path / WEIGHTS_FILE).is_file():
-        files = [path / WEIGHTS_FILE]
-    elif index_file.is_file():
-        files = index_shard_files(index_file)  # refuses names that leave the checkpoint directory
-    else:
-        raise DrafterLoadError(f"no {WEIGHTS_FILE} in drafter directory {path} (only safetensors are read)")
-    weights = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as reader:
-                for key in reader.keys():
-                    weights[key] = reader.get_tensor(key)
-        except Exception as error:  # safetensors raises several types for missing/truncated files
-            raise DrafterLoadError(f"could not read drafter weights {file}: {error}") from error
-    return weights
 
 
 def _check_draft_vocab(weights: dict[str, torch.Tensor], config: DSparkConfig, path: Path) -> None:
@@ -204,7 +188,7 @@ def load_model(
     if not path.is_dir():
         raise DrafterLoadError(f"drafter directory not found: {path}")
     config = read_config(path)
-    weights = _read_weights(path)
+    weights = read_weights(path)
     weights.pop("rotary_emb.inv_freq", None)
     embed, head = weights.pop(EMBEDDING_KEYS[0], None), weights.pop(EMBEDDING_KEYS[1], None)
     _check_draft_vocab(weights, config, path)

@@ -80,6 +80,11 @@ class DSparkConfig:
     #: EAGLE-3-style reduced draft vocabulary: the drafter predicts only this many target ids (the
     #: model's `d2t` buffer says which). None = the full vocabulary (what DeepSpec, llama.cpp, SGLang load).
     draft_vocab_size: int | None = None
+    #: Each slot's input also gets W_a·H_ctx[a-1], the projected target feature of the position that
+    #: produced the anchor (EAGLE's fusion of feature and token). Without it every slot must *learn* an
+    #: attention head that finds the latest context position, which a CPU-sized budget does not teach
+    #: (docs/training.md). An extension of DeepSpec's layout: DeepSpec, llama.cpp and SGLang do not load it.
+    last_context_input: bool = False
 
     def __post_init__(self) -> None:
         if not self.target_layer_ids:
@@ -217,6 +222,7 @@ class ContextCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0
+        self.last_context: torch.Tensor | None = None  # (D,) projected context of the last position
 
     @property
     def capacity(self) -> int:
@@ -287,6 +293,8 @@ class DSparkModel(nn.Module):
         self.config = config
         self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.last_context_proj = (nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+                                  if config.last_context_input else None)
         self.layers = nn.ModuleList(DSparkDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.markov_head = build_sequential_head(
@@ -441,12 +449,16 @@ class DSparkModel(nn.Module):
         """H_ctx = RMSNorm(W_c [H(l1); ...; H(lm)])."""
         return self.hidden_norm(self.fc(features.to(self.dtype)))
 
-    def _block_input(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
-        """[embed(anchor), embed(mask) × (γ-1)] for anchor_tokens (...,) -> (..., γ, D)."""
+    def _block_input(self, anchor_tokens: torch.Tensor, last_context: torch.Tensor | None) -> torch.Tensor:
+        """[embed(anchor), embed(mask) × (γ-1)] for anchor_tokens (...,) -> (..., γ, D), each slot plus
+        W_a·last_context (..., D) with `last_context_input`."""
         config = self.config
         ids = anchor_tokens.new_full((*anchor_tokens.shape, config.block_size), config.mask_token_id)
         ids[..., 0] = anchor_tokens
-        return self.embeddings()[0](ids).to(self.dtype)
+        x = self.embeddings()[0](ids).to(self.dtype)
+        if self.last_context_proj is not None:
+            x = x + self.last_context_proj(last_context.to(self.dtype))[..., None, :]
+        return x
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
@@ -495,7 +507,11 @@ class DSparkModel(nn.Module):
         cos, sin = self._rope(torch.arange(length, device=input_ids.device).expand(batch, length))
         context_kvs = [layer.self_attn.kv(context, cos, sin) for layer in self.layers]
 
-        x = self._block_input(input_ids.gather(1, anchor_positions)).flatten(1, 2)
+        last_context = None
+        if self.last_context_proj is not None:  # H_ctx[a-1]; zero for an anchor with no context
+            before = (anchor_positions - 1).clamp_min(0)[..., None].expand(-1, -1, context.shape[-1])
+            last_context = context.gather(1, before) * (anchor_positions > 0)[..., None]
+        x = self._block_input(input_ids.gather(1, anchor_positions), last_context).flatten(1, 2)
         block_positions = (anchor_positions[..., None] + offsets).flatten(1, 2)
         mask = BlockLayout(anchor_positions, gamma)
         hidden, base_logits = self._backbone(x, block_positions, context_kvs, mask)
@@ -520,13 +536,18 @@ class DSparkModel(nn.Module):
         context = self.project_context(features.to(self.device)[None])
         cos, sin = self._rope(positions[None])
         cache.append([layer.self_attn.kv(context, cos, sin) for layer in self.layers])
+        cache.last_context = context[0, -1]
 
     def draft_blocks(self, caches: list[ContextCache], anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden (R, γ, D) and base logits (R, γ, Vd) of the blocks after each request's anchor
         (anchors (R,)), each at position cache.length of its own cache. Several requests run as one
         batch: their contexts are padded to the longest and masked."""
         gamma = self.config.block_size
-        x = self._block_input(anchors.to(self.device))
+        last_context = None
+        if self.last_context_proj is not None:
+            zero = torch.zeros(self.config.hidden_size, device=self.device, dtype=self.dtype)
+            last_context = torch.stack([zero if c.last_context is None else c.last_context for c in caches])
+        x = self._block_input(anchors.to(self.device), last_context)
         lengths = torch.tensor([cache.length for cache in caches], device=self.device)
         positions = lengths[:, None] + torch.arange(gamma, device=self.device)
         if len(caches) == 1:

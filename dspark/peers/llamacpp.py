@@ -385,13 +385,23 @@ def default_peer_drafter(spec: str, target_name: str) -> Path | None:
     return None
 
 
+#: our extensions of DeepSpec's checkpoint layout, which llama.cpp's converter and runtime do not know
+NOT_IN_LLAMACPP = {"draft_vocab_size": "a reduced draft vocabulary", "last_context_input": "last-context input"}
+
+
 def drafter_block_size(drafter_dir: Path) -> int:
-    """γ the drafter was trained for: llama.cpp drafts that many tokens a round (it clamps to it anyway)."""
+    """γ the drafter was trained for: llama.cpp drafts that many tokens a round (it clamps to it anyway).
+    Refuses a drafter that uses one of our layout extensions: llama.cpp would run a different function."""
     from dspark.drafters.files import read_config_json
 
     if not (drafter_dir / "config.json").is_file():
         raise PeerUnavailable(f"{drafter_dir} is not a DSpark checkpoint directory (no config.json)")
-    return int(read_config_json(drafter_dir).get("block_size", 7))
+    config = read_config_json(drafter_dir)
+    used = [what for key, what in NOT_IN_LLAMACPP.items() if config.get(key)]
+    if used:
+        raise PeerUnavailable(f"{drafter_dir} uses {' and '.join(used)}, which llama.cpp does not load "
+                              "(it runs DeepSpec-layout, full-vocabulary DSpark drafters)")
+    return int(config.get("block_size", 7))
 
 
 @dataclass(frozen=True)

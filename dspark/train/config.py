@@ -31,6 +31,7 @@ class TrainConfig:
     data: str = ""  # corpus (.safetensors, `dspark data pack`) or JSONL of {"messages": [...]} / {"prompt_ids", ...}
     feature_cache: str | None = None  # directory of `dspark data features` for `data`: the target never runs
     draft_vocab_size: int | None = None  # DSpark/DFlash: draft LM head over the N most frequent answer tokens
+    last_context_input: bool = False  # DSpark/DFlash: slots also read the projected feature before the anchor
     heldout_fraction: float = 0.02
     max_eval_sequences: int = 64
     seq_len: int = 512
