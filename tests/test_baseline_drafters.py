@@ -161,6 +161,23 @@ def test_save_load_bit_exact(target_model, kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_sharded_checkpoint_loads_and_its_index_stays_inside(target_model, kind, tmp_path):
+    """Baselines read weights through the same reader as DSpark: shards load, names leaving the directory don't."""
+    drafter = make_drafter(kind, target_model, seed=5)
+    drafter.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00001.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {name: "model-00001-of-00001.safetensors" for name in weights}}))
+    restored = type(drafter).from_pretrained(tmp_path, target_model).model.state_dict()
+    assert all(torch.equal(weights[name], restored[name]) for name in weights)
+
+    index.write_text(json.dumps({"weight_map": {name: "../model-00001-of-00001.safetensors" for name in weights}}))
+    with pytest.raises(DrafterLoadError, match="outside the checkpoint directory"):
+        type(drafter).from_pretrained(tmp_path, target_model)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_load_refuses_mismatch_and_damage(target_model, kind, tmp_path):
     drafter = make_drafter(kind, target_model)
     drafter.save_pretrained(tmp_path)
@@ -186,7 +203,7 @@ def test_load_refuses_mismatch_and_damage(target_model, kind, tmp_path):
     weights = tmp_path / "model.safetensors"
     good = weights.read_bytes()
     weights.write_bytes(good[: len(good) // 2])
-    with pytest.raises(DrafterLoadError, match="unreadable"):
+    with pytest.raises(DrafterLoadError, match="could not read drafter weights"):  # the reader DSpark uses too
         loader(tmp_path, target_model)
     weights.unlink()
     with pytest.raises(DrafterLoadError, match="no model.safetensors"):

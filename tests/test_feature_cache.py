@@ -11,6 +11,7 @@ from conftest import tiny_model
 from safetensors.torch import load_file
 
 from dspark.train.cached_data import answer_mask, cached_examples, make_cached_batch, token_counts
+from dspark.train.checkpointing import STATE_FILE, checkpoints
 from dspark.train.corpus import Corpus, save_corpus
 from dspark.train.feature_cache import (
     CacheKey,
@@ -22,7 +23,7 @@ from dspark.train.feature_cache import (
     sample_bounds,
 )
 from dspark.train.losses import LossWeights, TopKTeacher, block_loss, greedy_accepts, topk_block_loss
-from dspark.train.trainer import STATE_FILE, checkpoints, train
+from dspark.train.trainer import train
 
 LAYERS = (0, 2, 3)
 

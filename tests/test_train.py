@@ -17,8 +17,10 @@ from safetensors.torch import load_file
 from dspark.errors import DsparkError
 from dspark.loading import load_target
 from dspark.train.anchors import block_labels, candidate_anchors, sample_anchors, target_positions
+from dspark.train.checkpointing import STATE_FILE, checkpoints
 from dspark.train.cli_train import add_train_parser
 from dspark.train.config import TrainConfig, load_config
+from dspark.train.drafter_specs import DRAFTERS
 from dspark.train.features import TargetFeatures
 from dspark.train.losses import (
     LossWeights,
@@ -27,7 +29,7 @@ from dspark.train.losses import (
     expected_tau,
     position_weights,
 )
-from dspark.train.trainer import DRAFTERS, STATE_FILE, checkpoints, loss_weights, train
+from dspark.train.trainer import loss_weights, train
 from dspark.verify import verify_sampled
 
 REPO = Path(__file__).resolve().parents[1]
@@ -407,6 +409,11 @@ def test_init_from_checkpoint_continues_from_its_weights(workdir):
     with pytest.raises(DsparkError, match="init_from"):
         DRAFTERS["dspark"].build(tiny_config(workdir, "z", init_from=str(workdir / "missing")),
                                  load_target(str(workdir / "target")).model)
+    # gaining the last-context input keeps every trained weight and starts the new projection at zero
+    fused = DRAFTERS["dspark"].build(tiny_config(workdir, "w", init_from=str(source), last_context_input=True),
+                                     load_target(str(workdir / "target")).model)
+    assert torch.equal(fused.fc.weight, saved["fc.weight"].float())
+    assert fused.last_context_proj is not None and not fused.last_context_proj.weight.any()
 
 
 def test_init_from_target_copies_the_last_layer(workdir):

@@ -1,8 +1,12 @@
 """The on-disk shape every drafter checkpoint shares: a directory with config.json + model.safetensors
-(or shards listed by model.safetensors.index.json)."""
+(or shards listed by model.safetensors.index.json). Every drafter reads its files through here, so the
+shard-name checks and the error messages are the same for all of them."""
 
 import json
 from pathlib import Path, PurePosixPath
+
+import torch
+from safetensors import safe_open
 
 from dspark.errors import DrafterLoadError, DsparkError
 
@@ -23,6 +27,28 @@ def read_config_json(directory: str | Path) -> dict:
     if not isinstance(data, dict):
         raise DrafterLoadError(f"drafter config {config_file} is not a JSON object")
     return data
+
+
+def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint: model.safetensors, else the shards its index names (only
+    safetensors: a pickle can run code). DrafterLoadError naming the file on anything unreadable."""
+    directory = Path(directory)
+    index_file = directory / WEIGHTS_INDEX_FILE
+    if (directory / WEIGHTS_FILE).is_file():
+        files = [directory / WEIGHTS_FILE]
+    elif index_file.is_file():
+        files = index_shard_files(index_file)  # refuses names that leave the checkpoint directory
+    else:
+        raise DrafterLoadError(f"no {WEIGHTS_FILE} in drafter directory {directory} (only safetensors are read)")
+    weights = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as reader:
+                for key in reader.keys():
+                    weights[key] = reader.get_tensor(key)
+        except Exception as error:  # safetensors raises several types for missing/truncated files
+            raise DrafterLoadError(f"could not read drafter weights {file}: {error}") from error
+    return weights
 
 
 def index_shard_files(index_file: Path, error: type[DsparkError] = DrafterLoadError) -> list[Path]:

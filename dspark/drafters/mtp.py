@@ -21,23 +21,17 @@ import torch
 from torch import nn
 
 from dspark.drafters.base import Draft, Drafter
-from dspark.drafters.eagle3 import (
-    Attend,
-    DecoderLayer,
+from dspark.drafters.baseline import (
     DraftLayerConfig,
-    KVCache,
     SharedHeadsMixin,
     build_for_target,
-    causal_attend,
     checked_features,
-    init_weights,
     parse_config,
     pick_token,
     read_checkpoint,
     save_checkpoint,
-    shift_left,
 )
-from dspark.drafters.layers import RMSNorm
+from dspark.drafters.layers import Attend, DecoderLayer, KVCache, RMSNorm, causal_attend, init_weights, shift_left
 from dspark.sampling import SamplingParams, probabilities
 
 

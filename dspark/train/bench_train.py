@@ -20,13 +20,12 @@ import torch
 from dspark.train.anchors import anchor_seed
 from dspark.train.cached_data import cached_examples
 from dspark.train.config import TrainConfig
+from dspark.train.distributed import Dist
+from dspark.train.drafter_specs import DRAFTERS, BlockForward
+from dspark.train.examples import Example
 from dspark.train.feature_cache import CacheKey, FeatureCache, build_cache, model_fingerprint
 from dspark.train.features import TargetFeatures
 from dspark.train.trainer import (
-    DRAFTERS,
-    BlockForward,
-    Dist,
-    Example,
     Run,
     build_optimizer,
     choose_draft_vocab,

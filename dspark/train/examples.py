@@ -1,0 +1,105 @@
+"""Training examples from JSONL conversations, and the seeded order and padded batches of the online pipeline.
+
+A global batch is a function of (seed, step) alone, so a resumed run replays the same data; the feature-cache
+pipeline (`train.cached_data`) shares the padding and anchor sampling (`pad_and_anchor`).
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.errors import DsparkError
+from dspark.train.cached_data import pad_and_anchor
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    answer_start: int  # positions [answer_start, len) are the answer (assistant) tokens
+
+
+def tokenize_conversation(messages: list[dict], tokenizer, finished: bool = True) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids) with the target's chat template; the last message is the answer. A finished
+    answer ends with the end-of-turn token the target stopped at; an unfinished one (cut by the
+    regeneration's token limit) does not."""
+    if not messages or messages[-1].get("role") != "assistant":
+        raise ValueError("the last message must be the assistant's answer")
+    prompt_text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    full_text = tokenizer.apply_chat_template(messages, tokenize=False)
+    prompt = tokenizer(prompt_text, add_special_tokens=False).input_ids
+    eos = tokenizer.eos_token_id
+    if full_text.startswith(prompt_text):
+        answer = tokenizer(full_text[len(prompt_text):], add_special_tokens=False).input_ids
+        if eos in answer:  # drop what the template adds after the end of turn (a newline)
+            answer = answer[: answer.index(eos) + 1]
+    else:
+        answer = tokenizer(messages[-1]["content"], add_special_tokens=False).input_ids
+        answer = answer + ([eos] if eos is not None else [])
+    if not finished and answer and answer[-1] == eos:
+        answer = answer[:-1]
+    return prompt, answer
+
+
+def load_examples(path: str | Path, tokenizer, seq_len: int) -> list[Example]:
+    """JSONL of {"messages": [...]} (needs the tokenizer) or pre-tokenised {"prompt_ids", "answer_ids"};
+    sequences are cut to seq_len and dropped when fewer than 2 answer tokens remain."""
+    path = Path(path)
+    if not path.is_file():
+        raise DsparkError(f"training data not found: {path}")
+    examples = []
+    with path.open() as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if "prompt_ids" in record:
+                    prompt, answer = list(record["prompt_ids"]), list(record["answer_ids"])
+                elif "messages" in record:
+                    if tokenizer is None:
+                        raise ValueError("the target has no tokenizer: give prompt_ids/answer_ids")
+                    prompt, answer = tokenize_conversation(record["messages"], tokenizer,
+                                                           bool(record.get("finished", True)))
+                else:
+                    raise ValueError("expected 'messages' or 'prompt_ids'/'answer_ids'")
+            except (ValueError, KeyError, TypeError, AttributeError) as error:
+                raise DsparkError(f"{path}:{number}: {error}") from error
+            ids = (prompt + answer)[:seq_len]
+            if len(ids) - len(prompt) >= 2:
+                examples.append(Example([int(i) for i in ids], len(prompt)))
+    if not examples:
+        raise DsparkError(f"{path}: no usable conversation (each needs >= 2 answer tokens within seq_len)")
+    return examples
+
+
+def batch_indices(num_train: int, batch_size: int, step: int, seed: int) -> list[int]:
+    """Positions (into the training list) of global batch `step`: epoch e is a seeded permutation cut
+    into full batches, so a batch is a function of the step alone (that is the data position)."""
+    per_epoch = max(num_train // batch_size, 1)
+    epoch, index = divmod(step, per_epoch)
+    order = torch.randperm(num_train, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
+    if num_train < batch_size:
+        order = (order * math.ceil(batch_size / num_train))[:batch_size]
+    return order[index * batch_size : (index + 1) * batch_size]
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (B, T) right-padded
+    attention_mask: torch.Tensor  # (B, T)
+    answer_mask: torch.Tensor  # (B, T) bool
+    anchors: torch.Tensor  # (B, A)
+    keep: torch.Tensor  # (B, A) bool: real anchors (not padding)
+
+
+def make_batch(examples: list[Example], seeds: list[int], num_anchors: int, pad_id: int,
+               device: torch.device) -> Batch:
+    input_ids, attention_mask, answer_mask, anchors, keep = pad_and_anchor(examples, seeds, num_anchors, pad_id)
+    return Batch(input_ids.to(device), attention_mask.to(device), answer_mask.to(device),
+                 torch.stack(anchors).to(device), torch.stack(keep).to(device))
+
+
+# -- distributed ---------------------------------------------------------------------------------
