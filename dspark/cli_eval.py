@@ -13,7 +13,8 @@ from dspark.cli_args import add_dtype_arg
 from dspark.errors import DsparkError
 from dspark.eval.datasets import load_dataset_prompts
 from dspark.eval.evaluate import ThresholdDrafter, evaluation_report
-from dspark.eval.rollout import rollout_prompt, run_rollouts
+from dspark.eval.rollout import run_rollouts
+from dspark.train.heldout import add_heldout_args, corpus_rollouts
 
 
 def write_plots(report: dict, plot_dir: str | Path) -> list[str]:
@@ -43,11 +44,7 @@ def add_eval_parser(subparsers) -> None:
     parser.add_argument("--drafter", default="default", help="none | ngram | default | PATH to a drafter checkpoint")
     parser.add_argument("--dataset", action="append", default=[],
                         help="JSONL with 'turns' or 'messages' per line; the file name picks the domain (repeatable)")
-    parser.add_argument("--corpus", default=None,
-                        help="roll out the prompts a `dspark train` run held out of this corpus (exact token ids)")
-    parser.add_argument("--heldout-fraction", type=float, default=0.01, help="as the training run's")
-    parser.add_argument("--split-seed", type=int, default=0, help="the training run's seed")
-    parser.add_argument("--max-len", type=int, default=1024, help="the feature cache's max_len")
+    add_heldout_args(parser)
     parser.add_argument("--num-prompts", type=int, default=10, help="prompts taken from each dataset")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -60,21 +57,6 @@ def add_eval_parser(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line with the results last")
     add_dtype_arg(parser)
     parser.set_defaults(handler=run_eval)
-
-
-def corpus_rollouts(loaded, drafter, args: argparse.Namespace, sampling, block_size: int) -> list:
-    """Rollouts of the held-out corpus prompts (their exact prompt token ids), as dataset 'heldout':
-    the same prompts whose teacher-forced τ the trainer logs, so the two can be compared."""
-    import torch
-
-    from dspark.train.cached_data import heldout_samples
-    from dspark.train.corpus import load_corpus
-
-    corpus = load_corpus(args.corpus)
-    indices = heldout_samples(corpus, args.max_len, args.heldout_fraction, args.split_seed)[: args.num_prompts]
-    return [rollout_prompt(loaded, drafter, torch.from_numpy(corpus.prompt_ids(i).astype("int64")),
-                           max_new_tokens=args.max_new_tokens, sampling=sampling, block_size=block_size,
-                           seed=args.seed + n, dataset="heldout") for n, i in enumerate(indices)]
 
 
 def run_eval(args: argparse.Namespace) -> dict:

@@ -321,6 +321,55 @@ def test_calibrate_end_to_end(tiny_dirs, tmp_path, capsys):
     assert (tmp_path / "reliability.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.fixture
+def tiny_corpus(tiny_dirs, tmp_path):
+    """A corpus of 10 answers in the tiny target's vocabulary, as `dspark data pack` writes it."""
+    from test_corpus import SAMPLING, line, write_jsonl
+
+    from dspark.train.corpus import corpus_from_jsonl, save_corpus
+
+    vocab = load_target(str(tiny_dirs / "target")).model.config.vocab_size
+    rng = torch.Generator().manual_seed(4)
+    text = "".join(line(f"s{i}", [1, *torch.randint(3, vocab, (4 + i,), generator=rng).tolist()],
+                        torch.randint(3, vocab, (6,), generator=rng).tolist()) for i in range(10))
+    corpus = corpus_from_jsonl([write_jsonl(tmp_path / "regen.jsonl", text)], target="tiny", target_revision="r",
+                               vocab_size=vocab, sampling=SAMPLING)
+    save_corpus(tmp_path / "corpus.safetensors", corpus)
+    return corpus, tmp_path / "corpus.safetensors"
+
+
+def test_eval_and_calibrate_roll_out_the_prompts_training_held_out(tiny_dirs, tiny_corpus, tmp_path, capsys,
+                                                                   monkeypatch):
+    """--corpus replays exactly the held-out split of `dspark train` (same fraction, seed, max_len), as token ids."""
+    from dspark.eval import rollout
+    from dspark.train import heldout
+    from dspark.train.cached_data import heldout_samples
+
+    corpus, path = tiny_corpus
+    expected = heldout_samples(corpus, 1024, 0.3, 5)
+    assert len(expected) == 3
+    seen = []
+    real = rollout.rollout_prompt
+
+    def recording(loaded, drafter, ids, **kwargs):
+        seen.append(ids.tolist())
+        return real(loaded, drafter, ids, **kwargs)
+
+    monkeypatch.setattr(heldout, "rollout_prompt", recording)
+    common = ["--target", tiny_dirs / "target", "--corpus", path, "--heldout-fraction", 0.3, "--split-seed", 5,
+              "--num-prompts", 10, "--max-new-tokens", 8, "--json"]
+    report = run_cli(capsys, "eval", "--drafter", tiny_dirs / "drafter", *common)
+    assert seen == [corpus.prompt_ids(i).tolist() for i in expected]
+    assert set(report["datasets"]) == {"heldout"}
+    seen.clear()
+    drafter = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
+    result = run_cli(capsys, "calibrate", "--drafter", drafter, *common, "--min-rounds", 1, "--dry-run")
+    assert seen == [corpus.prompt_ids(i).tolist() for i in expected]
+    assert result["num_prompts"] == 3 and result["num_rounds"] > 0 and result["corpus"] == str(path)
+    assert main(["calibrate", "--target", str(tiny_dirs / "target"), "--drafter", str(drafter)]) == 2
+    assert "--corpus" in capsys.readouterr().err
+
+
 def test_calibrate_refuses_drafter_without_confidence_head(tiny_dirs, capsys):
     assert main(["calibrate", "--target", str(tiny_dirs / "target"), "--drafter", "ngram",
                  "--dataset", str(tiny_dirs / "mbpp.jsonl")]) == 2

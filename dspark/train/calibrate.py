@@ -22,6 +22,7 @@ from dspark.calibration import (
 )
 from dspark.cli_args import add_dtype_arg
 from dspark.errors import DsparkError
+from dspark.train.heldout import add_heldout_args, corpus_rollouts
 
 
 def add_calibrate_parser(subparsers) -> None:
@@ -33,8 +34,9 @@ def add_calibrate_parser(subparsers) -> None:
     )
     parser.add_argument("--target", default="default", help="as for `dspark generate`")
     parser.add_argument("--drafter", required=True, help="DSpark checkpoint directory (updated in place)")
-    parser.add_argument("--dataset", action="append", required=True,
+    parser.add_argument("--dataset", action="append", default=[],
                         help="held-out prompts, JSONL with 'turns' or 'messages' per line (repeatable)")
+    add_heldout_args(parser)
     parser.add_argument("--num-prompts", type=int, default=20, help="prompts taken from each dataset")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -55,6 +57,8 @@ def add_calibrate_parser(subparsers) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if args.num_prompts <= 0 or args.max_new_tokens <= 0 or args.num_bins <= 0:
         raise DsparkError("--num-prompts, --max-new-tokens and --num-bins must be > 0")
+    if not args.dataset and not args.corpus:
+        raise DsparkError("give --dataset FILE (repeatable) and/or --corpus CORPUS (its held-out prompts)")
 
 
 def run_calibrate(args: argparse.Namespace) -> dict:
@@ -80,8 +84,13 @@ def run_calibrate(args: argparse.Namespace) -> dict:
     if not isinstance(drafter, DSparkDrafter) or drafter.model.confidence_head is None:
         raise DsparkError(f"{args.drafter} is not a DSpark checkpoint with a confidence head: nothing to calibrate")
     gamma = drafter.config.block_size
+    num_prompts = len(prompts)
     records = record_rounds(loaded, drafter, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                             block_size=gamma, seed=args.seed)
+    if args.corpus:  # prompts the training run never saw, as their exact token ids
+        rollouts = corpus_rollouts(loaded, drafter, args, sampling, gamma)
+        records += [record for rollout in rollouts for record in rollout.rounds]
+        num_prompts += len(rollouts)
     logits, outcomes = calibration_arrays(records, gamma)
     if not len(logits):
         raise DsparkError("no round verified any draft: use more prompts or a larger --max-new-tokens")
@@ -98,7 +107,8 @@ def run_calibrate(args: argparse.Namespace) -> dict:
         "target": loaded.name,
         "dtype": dtype_name(loaded.model.dtype),
         "sampling_temperature": args.temperature,
-        "num_prompts": len(prompts),
+        "num_prompts": num_prompts,
+        "corpus": args.corpus,
         "num_rounds": int(len(logits)),
         "num_bins": args.num_bins,
         "min_rounds": args.min_rounds,
