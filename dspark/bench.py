@@ -211,7 +211,9 @@ def run_draft_bench(args: argparse.Namespace) -> dict:
     verification forward of γ+1 tokens, all timed interleaved in one run on the same context."""
     from dspark.drafters import default_draft_dtype
     from dspark.drafters.checkpoint import embeddings_in_dtype
-    from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
+    from dspark.drafters.dspark import DSparkModel
+    from dspark.drafters.dspark_config import DSparkConfig
+    from dspark.drafters.dspark_drafter import DSparkDrafter
 
     loaded = as_loaded(args.target, args.dtype)
     gamma = args.block_size or 7

@@ -114,7 +114,8 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 def tiny_on_disk(tmp_path_factory):
     """A tiny random Llama target with a tokenizer, a random DSpark drafter and two prompt files."""
     from dspark.drafters.checkpoint import save_pretrained
-    from dspark.drafters.dspark import DSparkConfig, DSparkModel
+    from dspark.drafters.dspark import DSparkModel
+    from dspark.drafters.dspark_config import DSparkConfig
 
     root = tmp_path_factory.mktemp("tiny")
     tokenizer = tiny_tokenizer()

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from dspark.drafters.dspark import DSparkConfig, DSparkModel
+from dspark.drafters.dspark import DSparkModel
+from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.vocab import (
     check_target_ids,
     count_tokens,

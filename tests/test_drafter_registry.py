@@ -8,7 +8,9 @@ from conftest import hf_greedy, tiny_model
 from dspark.drafters import load_drafter
 from dspark.drafters.checkpoint import save_pretrained
 from dspark.drafters.draft_lm import DraftLMDrafter
-from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
+from dspark.drafters.dspark import DSparkModel
+from dspark.drafters.dspark_config import DSparkConfig
+from dspark.drafters.dspark_drafter import DSparkDrafter
 from dspark.drafters.eagle3 import Eagle3Drafter, Eagle3Model
 from dspark.drafters.mtp import MTPDrafter, MTPModel
 from dspark.errors import DrafterLoadError

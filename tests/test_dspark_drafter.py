@@ -10,7 +10,9 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
 
 from dspark.drafters.checkpoint import load_dspark, load_model, save_pretrained
-from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, default_target_layer_ids
+from dspark.drafters.dspark import DSparkModel
+from dspark.drafters.dspark_config import DSparkConfig, default_target_layer_ids
+from dspark.drafters.dspark_drafter import DSparkDrafter
 from dspark.errors import DrafterLoadError
 from dspark.generation import speculative_decode
 from dspark.sampling import SamplingParams, make_generator
@@ -501,7 +503,8 @@ def test_a_drafter_index_naming_a_shard_outside_the_checkpoint_is_refused(tmp_pa
     from transformers import LlamaConfig
 
     from dspark.drafters.checkpoint import load_model, save_pretrained
-    from dspark.drafters.dspark import DSparkConfig, DSparkModel
+    from dspark.drafters.dspark import DSparkModel
+    from dspark.drafters.dspark_config import DSparkConfig
     from dspark.errors import DrafterLoadError
 
     target = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,

@@ -7,7 +7,9 @@ import torch
 from stats_helpers import chi_square_pvalue
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
+from dspark.drafters.dspark import DSparkModel
+from dspark.drafters.dspark_config import DSparkConfig
+from dspark.drafters.dspark_drafter import DSparkDrafter
 from dspark.generation import speculative_decode
 from dspark.sampling import SamplingParams, probabilities
 from dspark.target import Target

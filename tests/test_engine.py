@@ -9,7 +9,9 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from dspark import engine as engine_module
 from dspark.drafters.base import Draft, NoDrafter
-from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
+from dspark.drafters.dspark import DSparkModel
+from dspark.drafters.dspark_config import DSparkConfig
+from dspark.drafters.dspark_drafter import DSparkDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine, Request, make_backend
 from dspark.errors import DsparkError

@@ -11,22 +11,24 @@ from pathlib import Path
 import pytest
 
 from dspark.cli import main
-from dspark.peers import llamacpp
+from dspark.peers import llamacpp, llamacpp_server
 from dspark.peers.llamacpp import (
+    best_per_kind,
+    comparable_tokens,
+    context_size,
+    peer_modes,
+    target_gguf,
+    thread_counts,
+)
+from dspark.peers.llamacpp_server import (
     Completion,
     PeerMode,
     PeerUnavailable,
     ServerBinary,
-    best_per_kind,
-    comparable_tokens,
     completion_request,
-    context_size,
     exit_message,
     parse_completion,
-    peer_modes,
     server_command,
-    target_gguf,
-    thread_counts,
 )
 
 # ------------------------------------------------------------------------------ pure functions
@@ -123,10 +125,10 @@ def test_a_drafter_with_our_layout_extensions_is_not_sent_to_llamacpp(tmp_path, 
 
 
 def test_missing_wheel_and_binary_is_a_clear_message(monkeypatch):
-    monkeypatch.setattr(llamacpp, "SERVER_WHEEL", "no_such_llama_server_wheel")
-    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: None)
+    monkeypatch.setattr(llamacpp_server, "SERVER_WHEEL", "no_such_llama_server_wheel")
+    monkeypatch.setattr(llamacpp_server.shutil, "which", lambda name: None)
     with pytest.raises(PeerUnavailable, match=r"no llama-server found \(pip install 'dspark\[llamacpp\]'\)"):
-        llamacpp.locate_server()
+        llamacpp_server.locate_server()
 
 
 # ---------------------------------------------------------------------- the benchmark, faked
@@ -196,6 +198,7 @@ def fake_llama_server(tmp_path, monkeypatch, tiny_on_disk):
     answers = tmp_path / "answers.json"
     answers.write_text(json.dumps({"none": references, "draft-dspark": references, "ngram-simple": wrong}))
     env = {**os.environ, "FAKE_LLAMA_ANSWERS": str(answers), "FAKE_LLAMA_LOG": str(tmp_path / "servers.jsonl")}
+    # patched where `llamacpp_methods` looks it up: llamacpp imports it from llamacpp_server
     monkeypatch.setattr(llamacpp, "locate_server", lambda: ServerBinary(script, env))
     monkeypatch.setattr(llamacpp, "target_gguf", lambda spec, hf_dir, kind="native": tmp_path / "target.gguf")
     monkeypatch.setattr(llamacpp, "convert_to_gguf", lambda d, target_dir=None, outtype="auto": tmp_path / "d.gguf")
@@ -272,9 +275,9 @@ def test_server_dies_with_a_benchmark_that_is_killed(tmp_path, fake_llama_server
     script = f"""
 import os, sys
 from pathlib import Path
-from dspark.peers import llamacpp
-binary = llamacpp.ServerBinary(Path({str(tmp_path / "llama-server")!r}), dict(os.environ))
-server = llamacpp.start_server(binary, Path("t.gguf"), llamacpp.PeerMode("plain", 1), 256).__enter__()
+from dspark.peers import llamacpp_server
+binary = llamacpp_server.ServerBinary(Path({str(tmp_path / "llama-server")!r}), dict(os.environ))
+server = llamacpp_server.start_server(binary, Path("t.gguf"), llamacpp_server.PeerMode("plain", 1), 256).__enter__()
 print(server.process.pid, flush=True)
 os._exit(0)  # no cleanup: as if killed
 """

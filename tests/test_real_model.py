@@ -82,7 +82,7 @@ def test_converted_cache_reloads_fast(default_target):
 def test_shipped_drafter_is_lossless_and_calibrated(default_target):
     """The default drafter: a real DSpark checkpoint (fp16, no embeddings) with STS temperatures."""
     from dspark.drafters import SHIPPED_DRAFTER, load_drafter
-    from dspark.drafters.dspark import DSparkDrafter
+    from dspark.drafters.dspark_drafter import DSparkDrafter
 
     drafter = load_drafter("default", default_target.model)
     assert isinstance(drafter, DSparkDrafter)

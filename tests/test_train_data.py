@@ -12,15 +12,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from dspark.errors import DsparkError
 from dspark.train.cli_data import add_data_parser
-from dspark.train.data import (
-    DataError,
-    EvalIndex,
-    Prompt,
+from dspark.train.data import DataError, EvalIndex, Prompt, select_prompts
+from dspark.train.prompt_sources import (
     build_prompts,
     code_prompts,
     iter_json_array,
     read_jsonl_prompts,
-    select_prompts,
     sharegpt_prompts,
 )
 from dspark.train.regenerate import SamplingConfig, completed_ids, regenerate

@@ -19,7 +19,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel
+from dspark.drafters.dspark import DSparkModel
+from dspark.drafters.dspark_config import DSparkConfig
+from dspark.drafters.dspark_drafter import DSparkDrafter
 from dspark.drafters.files import CONFIG_FILE, WEIGHTS_FILE, read_config_json, read_weights
 from dspark.drafters.vocab import check_target_ids, ids_from_offsets, t2d_mask
 from dspark.errors import DrafterLoadError

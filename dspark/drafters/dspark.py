@@ -1,4 +1,4 @@
-"""DSpark drafter: a parallel backbone over the target's features plus a light sequential head.
+"""DSpark drafter model: a parallel backbone over the target's features plus a light sequential head.
 
 One round (paper section 3.1): the block [embed(anchor), embed(mask) × (γ-1)] goes through a few
 Qwen3-style layers whose queries come from the block and whose keys/values are
@@ -7,145 +7,23 @@ h_k and base logits U_k (target's frozen LM head after our own `norm`), and pred
 after the anchor. A sequential head then adds a bias that depends on the tokens sampled earlier in
 the block, and a confidence head estimates the chance that each draft survives verification.
 
-The training forward (all anchors of a sequence at once, block attention mask) and the inference
-forward (per-request K/V cache of the projected context, grown by the committed positions of each
-round) compute the same function; tests check it.
-
-Reduced draft vocabulary (EAGLE-3 style, `draft_vocab_size`, see `dspark.drafters.vocab`): U_k and the
-sequential bias cover only Vd chosen target ids, draft id i standing for target id i + d2t[i]. The draft
-distribution is then *defined* over those Vd ids: temperature, top-k and top-p are applied to the Vd
-logits (so top-k keeps the k best draft ids, not the k best of the full vocabulary), the token is drawn
-there and mapped to its target id, and the same probabilities, scattered onto the full vocabulary with
-zeros elsewhere, are the q handed to verification. Losslessness only needs q to be exactly the
-distribution the token was drawn from, which it is; what truncation the draft uses only changes
-acceptance, never the output distribution.
+`DSparkModel` keeps its two forwards side by side, and tests check they compute the same function:
+training (`forward_train`: all anchors of a sequence at once, block attention mask) and inference
+(`extend_context` / `draft_blocks` over each request's `ContextCache` of the projected context, grown by
+the committed positions of each round). Per-request drafting is in `dspark_drafter`, the config in `dspark_config`.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.drafters.base import Draft, Drafter
 from dspark.drafters.block_attention import block_attention
-from dspark.drafters.heads import HEAD_TYPES, ConfidenceHead, build_sequential_head, sequential_logits
-from dspark.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin, target_layer_shape
+from dspark.drafters.dspark_config import DSparkConfig
+from dspark.drafters.heads import ConfidenceHead, build_sequential_head, sequential_logits
+from dspark.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin
 from dspark.drafters.vocab import check_target_ids, ids_from_offsets, offsets_from_ids, t2d_mask, target_to_draft_map
-from dspark.sampling import SamplingParams, probabilities, sample
-
-
-def default_target_layer_ids(num_target_layers: int, count: int = 5) -> tuple[int, ...]:
-    """`count` layers evenly spaced from layer 1 to L-3 (Qwen3-4B, L=36: 1, 9, 17, 25, 33).
-
-    Never the last layer: HF reports its output after the target's final norm.
-    """
-    if num_target_layers < 2:
-        raise ValueError(f"a DSpark target needs at least 2 layers, got {num_target_layers}")
-    last = max(num_target_layers - 3, 0)
-    first = min(1, last)
-    if count == 1:
-        return (last,)
-    return tuple(sorted({math.floor(first + i * (last - first) / (count - 1) + 0.5) for i in range(count)}))
-
-
-@dataclass
-class DSparkConfig:
-    """Drafter shape and options; field names follow DeepSpec's checkpoint config."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    num_target_layers: int
-    mask_token_id: int
-    #: DeepSpec convention: id L = output of target layer L (0-based), -1 = embeddings; () = default.
-    target_layer_ids: tuple[int, ...] = ()
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    block_size: int = 7
-    num_hidden_layers: int = 5
-    markov_rank: int = 256
-    #: "vanilla" (Markov), "gated", "rnn", or None for no sequential head (DFlash).
-    markov_head_type: str | None = "vanilla"
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = True
-    #: Sequential Temperature Scaling: T_k divides the confidence logit of block position k.
-    calibration_temperatures: list[float] | None = None
-    #: training only: anchors sampled per sequence (kept for DeepSpec config compatibility).
-    num_anchors: int = 512
-    #: EAGLE-3-style reduced draft vocabulary: the drafter predicts only this many target ids (the
-    #: model's `d2t` buffer says which). None = the full vocabulary (what DeepSpec, llama.cpp, SGLang load).
-    draft_vocab_size: int | None = None
-    #: Each slot's input also gets W_a·H_ctx[a-1], the projected target feature of the position that
-    #: produced the anchor (EAGLE's fusion of feature and token). Without it every slot must *learn* an
-    #: attention head that finds the latest context position, which a CPU-sized budget does not teach
-    #: (docs/training.md). An extension of DeepSpec's layout: DeepSpec, llama.cpp and SGLang do not load it.
-    last_context_input: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.target_layer_ids:
-            self.target_layer_ids = default_target_layer_ids(self.num_target_layers)
-        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
-        if self.markov_head_type in (None, "", "none") or self.markov_rank == 0:
-            self.markov_head_type, self.markov_rank = None, 0
-        # W1 lives in the Markov head: without one the confidence head sees h_k alone.
-        self.confidence_head_with_markov = bool(
-            self.enable_confidence_head and self.confidence_head_with_markov and self.markov_head_type
-        )
-        if self.calibration_temperatures is not None:
-            self.calibration_temperatures = [float(t) for t in self.calibration_temperatures]
-        if self.draft_vocab_size is not None:
-            self.draft_vocab_size = int(self.draft_vocab_size)
-        self.validate()
-
-    def validate(self) -> None:
-        if self.markov_head_type is not None and self.markov_head_type not in HEAD_TYPES:
-            raise ValueError(
-                f"markov_head_type must be one of {HEAD_TYPES} or None, got {self.markov_head_type!r}"
-            )
-        if self.block_size < 1 or self.num_hidden_layers < 1 or self.markov_rank < 0:
-            raise ValueError("block_size and num_hidden_layers must be >= 1 and markov_rank >= 0")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
-            raise ValueError(f"target_layer_ids has duplicates: {self.target_layer_ids}")
-        for layer_id in self.target_layer_ids:
-            if not -1 <= layer_id < self.num_target_layers:
-                raise ValueError(
-                    f"target layer id {layer_id} outside [-1, {self.num_target_layers - 1}] "
-                    f"for a target of {self.num_target_layers} layers"
-                )
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})")
-        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
-        temperatures = self.calibration_temperatures
-        if temperatures is not None and (len(temperatures) != self.block_size or min(temperatures) <= 0):
-            raise ValueError(f"need {self.block_size} positive calibration temperatures, got {temperatures}")
-
-    @property
-    def feature_size(self) -> int:
-        """Width of the concatenated target features the drafter reads: len(target_layer_ids) * D."""
-        return len(self.target_layer_ids) * self.hidden_size
-
-    @classmethod
-    def for_target(cls, target_config, **overrides) -> "DSparkConfig":
-        """Drafter whose layers have the target's shape (as DeepSpec builds it); any field can be
-        overridden. The default mask token is the last vocabulary id: pass an unused id if the
-        tokenizer has one."""
-        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        values = dict(
-            **target_layer_shape(text),
-            vocab_size=int(text.vocab_size),
-            num_target_layers=int(text.num_hidden_layers),
-            mask_token_id=int(text.vocab_size) - 1,
-        )
-        values.update(overrides)
-        return cls(**values)
 
 
 class DSparkAttention(nn.Module):
@@ -569,104 +447,3 @@ def _padded_layer(caches: list[ContextCache], index: int) -> tuple[torch.Tensor,
         keys[row, :, : cache.length] = cache.keys[index][0, :, : cache.length]
         values[row, :, : cache.length] = cache.values[index][0, :, : cache.length]
     return keys, values
-
-
-@dataclass
-class DSparkState:
-    """Per request: the draft-side K/V of every committed position before the anchor."""
-
-    cache: ContextCache
-
-
-class DSparkDrafter(Drafter):
-    def __init__(self, model: DSparkModel, embed_tokens: nn.Module | None = None,
-                 lm_head: nn.Module | None = None) -> None:
-        if embed_tokens is not None or lm_head is not None:
-            model.share_embeddings(embed_tokens, lm_head)
-        model.embeddings()  # fail now, not in the first round
-        self.model = model.eval()
-        self.config = model.config
-        self.target_layer_ids = model.config.target_layer_ids
-        self.vocab_size = model.config.vocab_size
-        self.max_block_size = model.config.block_size
-
-    def start(self, prompt_ids: torch.Tensor, prompt_hidden: torch.Tensor | None) -> DSparkState:
-        state = DSparkState(ContextCache())
-        self.commit(state, prompt_hidden)
-        return state
-
-    @torch.inference_mode()
-    def commit(self, state: DSparkState, committed_hidden: torch.Tensor | None) -> None:
-        if committed_hidden is None:
-            raise ValueError(
-                "DSpark drafting needs target features: build the Target with "
-                f"layer_ids={self.target_layer_ids}"
-            )
-        if committed_hidden.shape[-1] != self.config.feature_size:
-            raise ValueError(
-                f"target features have width {committed_hidden.shape[-1]}, the drafter reads "
-                f"{self.config.feature_size} (layers {self.target_layer_ids})"
-            )
-        if committed_hidden.shape[0]:
-            self.model.extend_context(state.cache, committed_hidden)
-
-    def propose(
-        self,
-        state: DSparkState,
-        context: torch.Tensor,
-        num_tokens: int,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-    ) -> Draft:
-        return self.propose_batch([state], [context], [num_tokens], [sampling], [generator])[0]
-
-    @torch.inference_mode()
-    def propose_batch(self, states, contexts, num_tokens, samplings, generators) -> list[Draft]:
-        """One batched drafter forward for every request, then the sequential head step by step for
-        all of them (one (R, r) × (r, Vd) product per step instead of R); each request samples with its
-        own parameters and generator.
-
-        Tokens are chosen among the Vd draft ids (argmax, or a draw from `probabilities` of the Vd
-        logits) and mapped to target ids; q is those same probabilities scattered onto the full
-        vocabulary, so it is exactly the distribution each token was drawn from."""
-        model = self.model
-        counts = [min(n, self.config.block_size) for n in num_tokens]
-        live = [i for i, n in enumerate(counts) if n > 0]
-        drafts = [Draft.empty(model.device) for _ in states]
-        if not live:
-            return drafts
-        for i in live:
-            if states[i].cache.length != contexts[i].shape[0] - 1:
-                raise RuntimeError(
-                    f"draft cache holds {states[i].cache.length} positions but the context before the anchor has "
-                    f"{contexts[i].shape[0] - 1}: commit the features of every position that entered the target cache"
-                )
-        anchors = torch.stack([contexts[i][-1] for i in live]).to(model.device)
-        hidden, base_logits = model.draft_blocks([states[i].cache for i in live], anchors)  # full blocks, as trained
-
-        head = model.markov_head
-        head_state = None if head is None else head.initial_state(hidden[:, 0])
-        prev, tokens, q = anchors, [], [[] for _ in live]
-        for k in range(max(counts[i] for i in live)):
-            logits = base_logits[:, k]
-            if head is not None:
-                bias, head_state = head.step(head_state, prev, hidden[:, k])
-                logits = logits + bias
-            choice = logits.argmax(-1)  # draft ids
-            for row, i in enumerate(live):
-                if not samplings[i].greedy and k < counts[i]:  # greedy verification compares tokens only
-                    probs = probabilities(logits[row], samplings[i])
-                    choice[row] = sample(probs, generators[i])
-                    q[row].append(probs)
-            prev = model.to_target_ids(choice)
-            tokens.append(prev)
-        tokens = torch.stack(tokens, 1)  # (R, max n)
-
-        prev_tokens = torch.cat([anchors[:, None], tokens[:, :-1]], 1)
-        confidence_logits = model.confidence_logits(hidden[:, : tokens.shape[1]], prev_tokens)
-        confidence = None if confidence_logits is None else model.confidence(confidence_logits)
-        for row, i in enumerate(live):
-            n = counts[i]
-            drafts[i] = Draft(tokens[row, :n], model.scatter_to_target(torch.stack(q[row])) if q[row] else None,
-                              None if confidence is None else confidence[row, :n])
-        return drafts

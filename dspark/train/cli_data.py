@@ -85,7 +85,8 @@ def add_data_parser(subparsers) -> None:
 
 
 def run_prompts(args: argparse.Namespace) -> None:
-    from dspark.train.data import build_prompts, write_prompts
+    from dspark.train.data import write_prompts
+    from dspark.train.prompt_sources import build_prompts
 
     prompts, report = build_prompts(sharegpt=args.sharegpt, code=args.code, jsonl=args.jsonl,
                                     exclude=args.exclude, seed=args.seed, max_chars=args.max_chars)
@@ -100,7 +101,7 @@ def run_regenerate(args: argparse.Namespace) -> None:
 
     from dspark.errors import DsparkError
     from dspark.loading import load_target
-    from dspark.train.data import read_jsonl_prompts
+    from dspark.train.prompt_sources import read_jsonl_prompts
     from dspark.train.regenerate import SamplingConfig, recommended_sampling, regenerate
 
     if args.threads:

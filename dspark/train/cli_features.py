@@ -35,7 +35,7 @@ def add_features_parser(commands) -> None:
 
 def default_cache_layers(num_layers: int) -> tuple[int, ...]:
     """The DSpark drafter's default layers plus the last one (MTP-style drafters read it)."""
-    from dspark.drafters.dspark import default_target_layer_ids
+    from dspark.drafters.dspark_config import default_target_layer_ids
 
     return tuple(sorted({*default_target_layer_ids(num_layers), num_layers - 1}))
 

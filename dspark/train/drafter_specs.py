@@ -32,7 +32,8 @@ class DrafterSpec:
 
 
 def _dspark_build(config: TrainConfig, target: nn.Module, dflash: bool = False) -> nn.Module:
-    from dspark.drafters.dspark import DSparkConfig, DSparkModel
+    from dspark.drafters.dspark import DSparkModel
+    from dspark.drafters.dspark_config import DSparkConfig
 
     overrides: dict = dict(block_size=config.block_size, num_hidden_layers=config.num_draft_layers,
                            num_anchors=config.anchors_per_seq)

@@ -1,0 +1,124 @@
+"""The DSpark `Drafter`: per-request state (a `ContextCache`) and drafting — start, commit, propose.
+
+The model (`dspark.drafters.dspark`) gives each request's block of hidden states and base logits; here
+the sequential head runs step by step, tokens are sampled and the confidences c_k computed.
+
+Reduced draft vocabulary (EAGLE-3 style, `draft_vocab_size`, see `dspark.drafters.vocab`): U_k and the
+sequential bias cover only Vd chosen target ids, draft id i standing for target id i + d2t[i]. The draft
+distribution is then *defined* over those Vd ids: temperature, top-k and top-p are applied to the Vd
+logits (so top-k keeps the k best draft ids, not the k best of the full vocabulary), the token is drawn
+there and mapped to its target id, and the same probabilities, scattered onto the full vocabulary with
+zeros elsewhere, are the q handed to verification. Losslessness only needs q to be exactly the
+distribution the token was drawn from, which it is; what truncation the draft uses only changes
+acceptance, never the output distribution.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dspark.drafters.base import Draft, Drafter
+from dspark.drafters.dspark import ContextCache, DSparkModel
+from dspark.sampling import SamplingParams, probabilities, sample
+
+
+@dataclass
+class DSparkState:
+    """Per request: the draft-side K/V of every committed position before the anchor."""
+
+    cache: ContextCache
+
+
+class DSparkDrafter(Drafter):
+    def __init__(self, model: DSparkModel, embed_tokens: nn.Module | None = None,
+                 lm_head: nn.Module | None = None) -> None:
+        if embed_tokens is not None or lm_head is not None:
+            model.share_embeddings(embed_tokens, lm_head)
+        model.embeddings()  # fail now, not in the first round
+        self.model = model.eval()
+        self.config = model.config
+        self.target_layer_ids = model.config.target_layer_ids
+        self.vocab_size = model.config.vocab_size
+        self.max_block_size = model.config.block_size
+
+    def start(self, prompt_ids: torch.Tensor, prompt_hidden: torch.Tensor | None) -> DSparkState:
+        state = DSparkState(ContextCache())
+        self.commit(state, prompt_hidden)
+        return state
+
+    @torch.inference_mode()
+    def commit(self, state: DSparkState, committed_hidden: torch.Tensor | None) -> None:
+        if committed_hidden is None:
+            raise ValueError(
+                "DSpark drafting needs target features: build the Target with "
+                f"layer_ids={self.target_layer_ids}"
+            )
+        if committed_hidden.shape[-1] != self.config.feature_size:
+            raise ValueError(
+                f"target features have width {committed_hidden.shape[-1]}, the drafter reads "
+                f"{self.config.feature_size} (layers {self.target_layer_ids})"
+            )
+        if committed_hidden.shape[0]:
+            self.model.extend_context(state.cache, committed_hidden)
+
+    def propose(
+        self,
+        state: DSparkState,
+        context: torch.Tensor,
+        num_tokens: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        return self.propose_batch([state], [context], [num_tokens], [sampling], [generator])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, states, contexts, num_tokens, samplings, generators) -> list[Draft]:
+        """One batched drafter forward for every request, then the sequential head step by step for
+        all of them (one (R, r) × (r, Vd) product per step instead of R); each request samples with its
+        own parameters and generator.
+
+        Tokens are chosen among the Vd draft ids (argmax, or a draw from `probabilities` of the Vd
+        logits) and mapped to target ids; q is those same probabilities scattered onto the full
+        vocabulary, so it is exactly the distribution each token was drawn from."""
+        model = self.model
+        counts = [min(n, self.config.block_size) for n in num_tokens]
+        live = [i for i, n in enumerate(counts) if n > 0]
+        drafts = [Draft.empty(model.device) for _ in states]
+        if not live:
+            return drafts
+        for i in live:
+            if states[i].cache.length != contexts[i].shape[0] - 1:
+                raise RuntimeError(
+                    f"draft cache holds {states[i].cache.length} positions but the context before the anchor has "
+                    f"{contexts[i].shape[0] - 1}: commit the features of every position that entered the target cache"
+                )
+        anchors = torch.stack([contexts[i][-1] for i in live]).to(model.device)
+        hidden, base_logits = model.draft_blocks([states[i].cache for i in live], anchors)  # full blocks, as trained
+
+        head = model.markov_head
+        head_state = None if head is None else head.initial_state(hidden[:, 0])
+        prev, tokens, q = anchors, [], [[] for _ in live]
+        for k in range(max(counts[i] for i in live)):
+            logits = base_logits[:, k]
+            if head is not None:
+                bias, head_state = head.step(head_state, prev, hidden[:, k])
+                logits = logits + bias
+            choice = logits.argmax(-1)  # draft ids
+            for row, i in enumerate(live):
+                if not samplings[i].greedy and k < counts[i]:  # greedy verification compares tokens only
+                    probs = probabilities(logits[row], samplings[i])
+                    choice[row] = sample(probs, generators[i])
+                    q[row].append(probs)
+            prev = model.to_target_ids(choice)
+            tokens.append(prev)
+        tokens = torch.stack(tokens, 1)  # (R, max n)
+
+        prev_tokens = torch.cat([anchors[:, None], tokens[:, :-1]], 1)
+        confidence_logits = model.confidence_logits(hidden[:, : tokens.shape[1]], prev_tokens)
+        confidence = None if confidence_logits is None else model.confidence(confidence_logits)
+        for row, i in enumerate(live):
+            n = counts[i]
+            drafts[i] = Draft(tokens[row, :n], model.scatter_to_target(torch.stack(q[row])) if q[row] else None,
+                              None if confidence is None else confidence[row, :n])
+        return drafts
