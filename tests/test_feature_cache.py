@@ -3,6 +3,7 @@ stale / corrupt / truncated / incomplete caches are refused, the top-k loss is t
 k = V, and cached training resumes exactly."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -123,6 +124,40 @@ def test_stale_cache_is_refused(built, tmp_path):
     with pytest.raises(FeatureCacheError, match="target_fingerprint"):
         FeatureCache.open(root / "cache", key_for(another_model, corpus))
     assert model_fingerprint(model) == model_fingerprint(tiny_model("llama", num_layers=4).to(torch.bfloat16))
+
+
+def test_a_grown_corpus_keeps_the_unchanged_shards(built, tmp_path):
+    """--grow: samples appended to the corpus, or one edited, recompute only the shards they touch; the
+    result is exactly the cache a fresh build of the new corpus writes."""
+    root, model, corpus, key = built
+    shutil.copytree(root / "cache", tmp_path / "cache")
+    grown = make_corpus(count=18)  # the same 12 samples, then 6 more
+    assert np.array_equal(grown.tokens[: len(corpus.tokens)], corpus.tokens)
+    with pytest.raises(FeatureCacheError, match="--grow"):
+        build_cache(tmp_path / "cache", model, grown.tokens, grown.offsets, key_for(model, grown), shard_tokens=60,
+                    batch_tokens=64, progress=False)
+    old_shards = len(json.loads((root / "cache" / "manifest.json").read_text())["shards"])
+    stats = build_cache(tmp_path / "cache", model, grown.tokens, grown.offsets, key_for(model, grown),
+                        shard_tokens=60, batch_tokens=64, progress=False, grow=True)
+    fresh = tmp_path / "fresh"
+    build_cache(fresh, model, grown.tokens, grown.offsets, key_for(model, grown), shard_tokens=60, batch_tokens=64,
+                progress=False)
+    fresh_manifest = json.loads((fresh / "manifest.json").read_text())
+    assert stats.shards_before >= old_shards - 1 and stats.shards_written < len(fresh_manifest["shards"])
+    assert json.loads((tmp_path / "cache" / "manifest.json").read_text())["shards"] == fresh_manifest["shards"]
+    FeatureCache.open(tmp_path / "cache", key_for(model, grown))  # complete, current, every digest checked
+
+    edited = make_corpus(count=18)
+    edited.tokens[int(edited.offsets[1]) + 1] += 1  # one token of sample 1: its shard, and only it, is redone
+    stats = build_cache(tmp_path / "cache", model, edited.tokens, edited.offsets, key_for(model, edited),
+                        shard_tokens=60, batch_tokens=64, progress=False, grow=True)
+    assert stats.shards_written == 1
+    rebuilt = FeatureCache.open(tmp_path / "cache", key_for(model, edited))
+    start = int(edited.offsets[1])
+    ids = torch.from_numpy(edited.tokens[start : start + rebuilt.length(1)].astype(np.int64))[None]
+    with torch.no_grad():
+        expected = model(ids).logits[0].topk(key.top_k, -1).indices
+    assert torch.equal(rebuilt.sample(1).topk_ids, expected)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])

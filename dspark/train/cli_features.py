@@ -30,6 +30,9 @@ def add_features_parser(commands) -> None:
     parser.add_argument("--batch-tokens", type=_positive_int, default=4096, help="tokens per target forward")
     parser.add_argument("--max-shards", type=_positive_int, default=None, help="write at most N shards this run")
     parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    parser.add_argument("--grow", action="store_true",
+                        help="the corpus grew (samples appended): keep the shards of its earlier version's cache "
+                             "whose token ids are unchanged, compute the rest")
     parser.set_defaults(handler=run_features)
 
 
@@ -61,7 +64,8 @@ def run_features(args: argparse.Namespace) -> None:
     print(f"[dspark] caching {corpus.num_samples} samples ({corpus.num_tokens} tokens) of {args.corpus}: "
           f"layers {list(layers)}, top-{args.top_k}, {key.dtype}", file=sys.stderr)
     stats = build_cache(args.out, target.model, corpus.tokens, corpus.offsets, key, shard_tokens=args.shard_tokens,
-                        batch_tokens=args.batch_tokens, pad_id=pad_id, max_shards=args.max_shards)
+                        batch_tokens=args.batch_tokens, pad_id=pad_id, max_shards=args.max_shards,
+                        grow=args.grow)
     from dspark.train.feature_cache import FeatureCache, FeatureCacheError
 
     summary = {"shards_before": stats.shards_before, "shards_written": stats.shards_written,

@@ -13,7 +13,9 @@ scale):
 - `offsets` (S + 1,) int64: sample boundaries (samples are cut to `max_len` tokens).
 
 A manifest keys the cache by (target, target fingerprint, layers, dtype, top-k, max_len, corpus
-checksum) and lists every finished shard with its files' sizes and blake2b digests. The pass is
+checksum) and lists every finished shard with its files' sizes and blake2b digests, and a digest of the
+token ids it was computed from. That digest lets a grown corpus (new samples appended, the old ones
+unchanged) keep the shards of its earlier version (`grow=True`): the target pass is the costly stage. The pass is
 resumable: a shard is written to a temporary directory, renamed when complete, then recorded in the
 manifest; a restart skips recorded shards. A cache whose key differs from what the trainer asks for
 (stale), or whose files are missing, truncated or altered (corrupt), is refused with a clear error.
@@ -173,6 +175,16 @@ def _write_shard(directory: Path, model: PreTrainedModel, tokens: np.ndarray, co
     del arrays
 
 
+def shard_token_digest(tokens: np.ndarray, offsets: np.ndarray, bounds: np.ndarray, first: int, last: int) -> str:
+    """blake2b of the (cut) token ids of samples [first, last): equal exactly when the shard's inputs are."""
+    digest = hashlib.blake2b(digest_size=16)
+    for i in range(first, last):
+        n = int(bounds[i + 1] - bounds[i])
+        digest.update(np.int64(n).tobytes())
+        digest.update(tokens[offsets[i] : offsets[i] + n].astype(np.int64).tobytes())
+    return digest.hexdigest()
+
+
 def _digest(path: Path) -> str:
     digest = hashlib.blake2b(digest_size=16)
     with path.open("rb") as handle:
@@ -222,17 +234,23 @@ class BuildStats:
 
 def build_cache(cache_dir: str | Path, model: PreTrainedModel, tokens: np.ndarray, offsets: np.ndarray,
                 key: CacheKey, *, shard_tokens: int = DEFAULT_SHARD_TOKENS, batch_tokens: int = 4096,
-                pad_id: int = 0, max_shards: int | None = None, progress: bool = True) -> BuildStats:
+                pad_id: int = 0, max_shards: int | None = None, progress: bool = True,
+                grow: bool = False) -> BuildStats:
     """Write (or finish) the cache of corpus `tokens` / `offsets` under `cache_dir`. Resumes a partial
-    cache with the same key; refuses one with another key. `max_shards` bounds this run's work."""
+    cache with the same key; refuses one with another key, except that with `grow` a cache of another
+    version of the corpus (same everything else) keeps the shards whose token ids are unchanged.
+    `max_shards` bounds this run's work."""
     cache_dir = Path(cache_dir).expanduser()
     cache_dir.mkdir(parents=True, exist_ok=True)
     manifest = _read_manifest(cache_dir)
-    if manifest is not None and (changed := stale_fields(manifest, key)):
-        raise FeatureCacheError(f"{cache_dir} holds a cache built with other {', '.join(changed)}; "
-                                "use another directory or delete it")
     bounds = sample_bounds(offsets, key.max_len)
     plan = plan_shards(bounds, shard_tokens)
+    if manifest is not None and (changed := stale_fields(manifest, key)):
+        if not (grow and changed == ["corpus_checksum"]):
+            hint = " (or --grow, if only the corpus grew)" if changed == ["corpus_checksum"] else ""
+            raise FeatureCacheError(f"{cache_dir} holds a cache built with other {', '.join(changed)}; "
+                                    f"use another directory or delete it{hint}")
+        manifest = regrown_manifest(cache_dir, manifest, key, plan, tokens, offsets, bounds)
     if manifest is None:
         manifest = {"format": FORMAT, "key": key.to_dict(), "num_samples": len(bounds) - 1,
                     "num_tokens": int(bounds[-1]), "hidden_size": int(model.config.get_text_config().hidden_size),
@@ -254,6 +272,7 @@ def build_cache(cache_dir: str | Path, model: PreTrainedModel, tokens: np.ndarra
             shutil.rmtree(final)
         os.replace(tmp, final)
         manifest["shards"][name] = {"samples": [first, last], "tokens": int(bounds[last] - bounds[first]),
+                                    "token_digest": shard_token_digest(tokens, offsets, bounds, first, last),
                                     "files": files}
         _write_manifest(cache_dir, manifest)
         stats.shards_written += 1
@@ -265,6 +284,28 @@ def build_cache(cache_dir: str | Path, model: PreTrainedModel, tokens: np.ndarra
     manifest["complete"] = len(manifest["shards"]) == len(plan)
     _write_manifest(cache_dir, manifest)
     return stats
+
+
+def regrown_manifest(cache_dir: Path, manifest: dict, key: CacheKey, plan: list[tuple[int, int]], tokens: np.ndarray,
+                     offsets: np.ndarray, bounds: np.ndarray) -> dict:
+    """The manifest of `cache_dir` re-keyed to a new version of its corpus: a shard is kept when it covers
+    the same samples as the new plan's shard of that number and its token ids are unchanged (a shard
+    without a token digest, from before digests were recorded, is rebuilt); the others are deleted."""
+    kept = {}
+    for name, shard in manifest["shards"].items():
+        index, span = int(name), tuple(shard["samples"])
+        same = (index < len(plan) and plan[index] == span and shard.get("token_digest")
+                == shard_token_digest(tokens, offsets, bounds, *span))
+        if same:
+            kept[name] = shard
+        else:
+            shutil.rmtree(cache_dir / f"shard_{name}", ignore_errors=True)
+    print(f"[dspark] feature cache: the corpus grew; {len(kept)} of {len(manifest['shards'])} shards kept",
+          file=sys.stderr, flush=True)
+    grown = {**manifest, "key": key.to_dict(), "num_samples": len(bounds) - 1, "num_tokens": int(bounds[-1]),
+             "shards": kept, "complete": False}
+    _write_manifest(cache_dir, grown)
+    return grown
 
 
 # ---------------------------------------------------------------- reading
