@@ -1,4 +1,5 @@
-"""Text-level entry points: `generate` and `stream`, with chat templates and stop strings (`dspark.text`)."""
+"""Text-level entry points: `generate` and `stream`, with chat templates and stop strings (`dspark.text`);
+the engine comes from `dspark.factory`, as for every other entry point."""
 
 import functools
 from collections.abc import Iterator
@@ -7,12 +8,13 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.drafters import Drafter, load_drafter
-from dspark.engine import TargetBackend, make_backend
+from dspark.engine import Engine, Request
 from dspark.errors import DsparkError
-from dspark.generation import GenerationStats, speculative_decode
-from dspark.loading import LoadedTarget, dtype_name, load_target, resolve_dtype
+from dspark.factory import build_engine
+from dspark.loading import LoadedTarget, TargetSpec, dtype_name, load_target, resolve_dtype
 from dspark.sampling import SamplingParams, make_generator
-from dspark.scheduler import SPSTable, get_scheduler
+from dspark.scheduler import get_scheduler
+from dspark.stats import GenerationStats
 from dspark.text import Messages, TextAccumulator, eos_token_ids, prompt_ids, validate_prompt  # the server's too
 
 
@@ -38,11 +40,11 @@ class GenerationResult:
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_target(spec: str, dtype: torch.dtype) -> LoadedTarget:
+def _cached_target(spec: TargetSpec, dtype: torch.dtype) -> LoadedTarget:
     return load_target(spec, dtype)
 
 
-def resolve(target: str | LoadedTarget, drafter: str | Drafter,
+def resolve(target: TargetSpec | LoadedTarget, drafter: str | Drafter,
             dtype: str | torch.dtype = "auto") -> tuple[LoadedTarget, Drafter]:
     """A target spec is loaded in `dtype` (once; `resolve_dtype` names); a loaded target keeps its own."""
     loaded = _cached_target(target, resolve_dtype(dtype)) if isinstance(target, str) else target
@@ -56,19 +58,6 @@ def _validate(max_new_tokens: int, block_size: int | None) -> None:
         raise DsparkError(f"max_new_tokens must be > 0, got {max_new_tokens}")
     if block_size is not None and block_size < 0:
         raise DsparkError(f"block_size must be >= 0, got {block_size}")
-
-
-def effective_block_size(drafter: Drafter, requested: int | None, default: int = 7) -> int:
-    """γ for this request: the drafter's own block size unless the caller asks for fewer.
-
-    A DSpark drafter is trained for its block size; asking for more would draft slots it never learnt.
-    """
-    limit = drafter.max_block_size
-    if requested is None:
-        return default if limit is None else limit
-    if limit is not None and requested > limit and limit > 0:
-        raise DsparkError(f"block size {requested} exceeds the drafter's block size {limit}; it can only be reduced")
-    return requested if limit is None else min(requested, limit)
 
 
 @dataclass
@@ -85,7 +74,7 @@ class TextStream:
 def stream(
     prompt: str | Messages,
     *,
-    target: str | LoadedTarget = "default",
+    target: TargetSpec | LoadedTarget = "default",
     drafter: str | Drafter = "default",
     max_new_tokens: int = 256,
     temperature: float = 0.0,
@@ -112,46 +101,18 @@ def stream(
     validate_prompt(prompt)
     get_scheduler(scheduler)
     loaded, drafter = resolve(target, drafter, dtype)
-    block_size = effective_block_size(drafter, block_size)
+    engine = build_engine(loaded, drafter, scheduler=scheduler, block_size=block_size)
     ids = prompt_ids(loaded, prompt, chat)
+    request = Request(ids, max_new_tokens, sampling, make_generator(seed), eos_token_ids(loaded))
     handle = TextStream(iter(()))
-    handle._deltas = _run(handle, loaded, drafter, ids, max_new_tokens, sampling, seed, stop or [], block_size,
-                          scheduler)
+    handle._deltas = _run(handle, loaded, engine, request, stop or [])
     return handle
 
 
-def scheduler_for(name: str, loaded: LoadedTarget, drafter: Drafter, block_size: int,
-                  max_concurrency: int = 1) -> tuple[str, SPSTable | None]:
-    """(scheduler, SPS table) to run `drafter` with. Drafters without confidences verify every draft
-    unless a fixed γ is asked for; "dspark*" schedulers get the target's profiled step rates."""
-    get_scheduler(name)
-    has_confidence = getattr(getattr(drafter, "config", None), "enable_confidence_head", False)
-    if block_size == 0 or (not has_confidence and not name.startswith("fixed") and name != "none"):
-        return "fixed", None
-    sps = None
-    if name.startswith("dspark"):
-        from dspark.profiling import sps_table
-
-        sps = sps_table(loaded, max_concurrency * (block_size + 1))
-    return name, sps
-
-
-def single_request_target(loaded: LoadedTarget, drafter: Drafter) -> TargetBackend:
-    """An engine backend with one slot: the ragged forward for Llama-family targets, else HF's."""
-    return make_backend(loaded.model, drafter.target_layer_ids, max_slots=1)
-
-
-def _run(handle: TextStream, loaded: LoadedTarget, drafter: Drafter, ids: torch.Tensor, max_new_tokens: int,
-         sampling: SamplingParams, seed: int | None, stop: list[str], block_size: int,
-         scheduler: str = "fixed") -> Iterator[str]:
-    stats = GenerationStats()
-    target = single_request_target(loaded, drafter)
-    scheduler, sps = scheduler_for(scheduler, loaded, drafter, block_size)
-    chunks = speculative_decode(
-        target, drafter, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-        generator=make_generator(seed), block_size=block_size, eos_token_ids=eos_token_ids(loaded), stats=stats,
-        scheduler=scheduler, sps=sps,
-    )
+def _run(handle: TextStream, loaded: LoadedTarget, engine: Engine, request: Request,
+         stop: list[str]) -> Iterator[str]:
+    stats = request.stats
+    chunks = engine.stream(request)
     text = TextAccumulator(loaded.tokenizer, stop)
     for chunk in chunks:
         delta = text.add(chunk)

@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.api import effective_block_size, scheduler_for, single_request_target
 from dspark.drafters import load_drafter
+from dspark.engine import Request
 from dspark.errors import DsparkError
 from dspark.eval.datasets import load_prompts
-from dspark.generation import GenerationStats, speculative_decode
-from dspark.loading import LoadedTarget, dtype_name, load_target
+from dspark.factory import build_engine, has_confidences
+from dspark.loading import LoadedTarget, TargetSpec, dtype_name, load_target
 from dspark.sampling import SamplingParams
+from dspark.stats import GenerationStats
 from dspark.target import Target
 from dspark.text import eos_token_ids, prompt_ids
 
@@ -51,7 +52,7 @@ class MethodTally:
         return (self.accepted + self.rounds) / self.rounds if self.has_rounds and self.rounds else None
 
 
-def as_loaded(target: str | LoadedTarget, dtype: str = "auto") -> LoadedTarget:
+def as_loaded(target: TargetSpec | LoadedTarget, dtype: str = "auto") -> LoadedTarget:
     """A target spec is loaded in `dtype`; an already loaded target (from `dspark report`) is reused."""
     return target if isinstance(target, LoadedTarget) else load_target(target, dtype)
 
@@ -66,16 +67,13 @@ def hf_generate(loaded: LoadedTarget, ids: torch.Tensor, max_new_tokens: int, **
     return output[0, ids.shape[0]:].tolist()
 
 
-def ours(loaded: LoadedTarget, drafter, ids: torch.Tensor, max_new_tokens: int, block_size: int,
-         scheduler: str = "fixed"):
-    stats = GenerationStats()
-    block_size = effective_block_size(drafter, block_size)
-    scheduler, sps = scheduler_for(scheduler, loaded, drafter, block_size)
-    chunks = speculative_decode(single_request_target(loaded, drafter), drafter, ids, max_new_tokens=max_new_tokens,
-                                sampling=SamplingParams(), generator=None, block_size=block_size,
-                                eos_token_ids=eos_token_ids(loaded), stats=stats, scheduler=scheduler, sps=sps)
-    tokens = [token for chunk in chunks for token in chunk]
-    return tokens, stats
+def ours(loaded: LoadedTarget, drafter, ids: torch.Tensor, max_new_tokens: int, block_size: int | None,
+         scheduler: str = "fixed") -> tuple[list[int], GenerationStats]:
+    """One greedy generation of ours (the engine at concurrency 1): its tokens and stats."""
+    engine = build_engine(loaded, drafter, scheduler=scheduler, block_size=block_size)
+    request = Request(ids, max_new_tokens, SamplingParams(), None, eos_token_ids(loaded))
+    tokens = [token for chunk in engine.stream(request) for token in chunk]
+    return tokens, request.stats
 
 
 def method_name(text: str) -> tuple[str, str]:
@@ -123,7 +121,7 @@ def _run_speed_bench(args: argparse.Namespace, stack: ExitStack) -> dict:
     }
     for name, drafter in drafters.items():
         methods[name] = lambda ids, d=drafter: ours(loaded, d, ids, args.max_new_tokens, args.block_size)
-        if args.scheduler != "fixed" and getattr(getattr(drafter, "config", None), "enable_confidence_head", False):
+        if args.scheduler != "fixed" and has_confidences(drafter):
             methods[f"{name}+{args.scheduler}"] = lambda ids, d=drafter: ours(
                 loaded, d, ids, args.max_new_tokens, args.block_size, args.scheduler)
 

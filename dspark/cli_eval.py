@@ -60,10 +60,10 @@ def add_eval_parser(subparsers) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> dict:
-    from dspark.api import effective_block_size
     from dspark.drafters import load_drafter
     from dspark.loading import dtype_name, load_target
     from dspark.sampling import SamplingParams
+    from dspark.scheduler import resolve_block_size
 
     if args.num_prompts <= 0 or args.max_new_tokens <= 0:
         raise DsparkError("--num-prompts and --max-new-tokens must be > 0")
@@ -75,7 +75,7 @@ def run_eval(args: argparse.Namespace) -> dict:
     prompts = load_dataset_prompts(args.dataset, args.num_prompts)
     loaded = load_target(args.target, args.dtype)
     drafter = load_drafter(args.drafter, loaded.model)
-    block_size = effective_block_size(drafter, args.block_size)
+    block_size = resolve_block_size(args.block_size, drafter_limit=drafter.max_block_size)
     if args.threshold is not None:
         drafter = ThresholdDrafter(drafter, args.threshold)
     rollouts = run_rollouts(loaded, drafter, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,

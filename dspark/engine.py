@@ -1,7 +1,7 @@
 """Continuous batching: requests join and leave between rounds.
 
 A round, for every running request at once: draft → schedule (how many drafts each request sends)
-→ one ragged target forward (decode segments = anchor + ℓ_r drafts; prompt chunks of new requests
+→ one ragged target forward (verify segments = anchor + ℓ_r drafts; prompt chunks of new requests
 ride along) → verify and commit per request (own sampling parameters and generator) → roll each
 slot back past its rejected drafts. With one request this is plain speculative decoding, and with
 no drafts it is plain decoding: every path of the library goes through here.
@@ -19,11 +19,11 @@ import torch
 
 from dspark.drafters.base import Draft, Drafter
 from dspark.errors import DsparkError
-from dspark.ragged import RaggedTarget, Segment, SlotCache, supports_ragged
+from dspark.ragged import RaggedBackend, Segment, SlotCache, supports_ragged
 from dspark.sampling import SamplingParams, next_token
-from dspark.scheduler import Scheduler, SchedulerState, StepCurve, get_scheduler
+from dspark.scheduler import DEFAULT_BLOCK_SIZE, Scheduler, SchedulerState, StepCurve, get_scheduler, resolve_block_size
 from dspark.stats import EngineStats, GenerationStats
-from dspark.target import TargetOutput, TargetSlots
+from dspark.target import SerialBackend, TargetOutput
 from dspark.verify import emitted_tokens, verify
 
 log = logging.getLogger("dspark.engine")
@@ -46,8 +46,8 @@ def make_backend(model: Any, layer_ids: tuple[int, ...] = (), max_slots: int = 1
                  attention: str = "loop") -> TargetBackend:
     """The ragged batched forward for Llama-family models, else HF's forward one request at a time."""
     if supports_ragged(model):
-        return RaggedTarget(model, layer_ids, max_slots=max_slots, attention=attention)
-    return TargetSlots.for_model(model, layer_ids, max_slots=max_slots)
+        return RaggedBackend(model, layer_ids, max_slots=max_slots, attention=attention)
+    return SerialBackend.for_model(model, layer_ids, max_slots=max_slots)
 
 
 class GenerationFailed(Exception):
@@ -70,7 +70,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 @dataclass(eq=False)
 class Request:
     """One generation. The engine fills `output_ids`, `stats`, `finished`, `finish_reason` and,
-    when it had to end the request early, `error`."""
+    when it had to end the request early, `error`. `block_size` caps γ for this request alone."""
 
     prompt_ids: torch.Tensor
     max_new_tokens: int
@@ -88,38 +88,38 @@ class Request:
     slot: int | None = field(default=None, repr=False)
     context: torch.Tensor | None = field(default=None, repr=False)  # committed tokens; last = anchor
     drafter_state: Any = field(default=None, repr=False)
-    prefilled: int = field(default=0, repr=False)
+    num_prefilled: int = field(default=0, repr=False)  # prompt tokens already in the KV cache
     prompt_features: list = field(default_factory=list, repr=False)
     started: float = field(default=0.0, repr=False)
 
     @property
-    def decoding(self) -> bool:
+    def prefilled(self) -> bool:
+        """The whole prompt is in the cache and the anchor sampled: the request drafts and verifies."""
         return self.context is not None
 
 
 class Engine:
     """Runs requests to completion in rounds; `step()` runs one round and returns the new tokens.
 
-    `scheduler`: a name for `get_scheduler` ("none" = plain decoding, "fixed", "fixed-<γ>",
+    `scheduler`: a name for `get_scheduler` ("none" = plain decoding, "fixed", "fixed-<n>",
     "threshold[-t]", "dspark", "dspark-async") or a `Scheduler` function. The schedulers see the
     drafts' survival a_k (all ones for drafters without confidences) and `sps`, the target's step
-    rate SPS(B), never the target's answer, so verification stays lossless.
+    rate SPS(B), never the target's answer, so verification stays lossless. `block_size` is γ as given;
+    `dspark.factory.build_engine` resolves it against the drafter first.
     """
 
     def __init__(
         self,
-        target: TargetBackend,
+        backend: TargetBackend,
         drafter: Drafter,
         *,
-        block_size: int = 7,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         scheduler: str | Scheduler = "fixed",
         sps: StepCurve | None = None,
         max_concurrency: int | None = None,
         prefill_chunk: int = 512,
         max_context: int | None = None,
     ) -> None:
-        if scheduler == "none":
-            block_size = 0
         self.schedule: Scheduler | None = None
         if isinstance(scheduler, str):
             self.schedule = None if scheduler in ("fixed", "none") else get_scheduler(scheduler)
@@ -128,15 +128,15 @@ class Engine:
         else:
             self.schedule = scheduler
         if max_concurrency is None:
-            max_concurrency = target.max_slots
-        if not 1 <= max_concurrency <= target.max_slots:
-            raise DsparkError(f"max_concurrency must be in [1, {target.max_slots}] (the target's slots), "
+            max_concurrency = backend.max_slots
+        if not 1 <= max_concurrency <= backend.max_slots:
+            raise DsparkError(f"max_concurrency must be in [1, {backend.max_slots}] (the target's slots), "
                               f"got {max_concurrency}")
         if prefill_chunk < 1:
             raise DsparkError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.target = target
+        self.backend = backend
         self.drafter = drafter
-        self.block_size = block_size
+        self.block_size = resolve_block_size(block_size, scheduler=scheduler)
         self.sps = sps
         self.max_concurrency = max_concurrency
         self.prefill_chunk = prefill_chunk
@@ -186,16 +186,16 @@ class Engine:
         if not self.running:
             return []
         start = time.perf_counter()
-        decoding = [r for r in self.running if r.decoding]
-        proposed = self._draft(decoding)
-        kept = [(r, d) for r, d in zip(decoding, proposed, strict=True) if not r.finished]
+        prefilled = [r for r in self.running if r.prefilled]
+        proposed = self._draft(prefilled)
+        kept = [(r, d) for r, d in zip(prefilled, proposed, strict=True) if not r.finished]
         drafted = time.perf_counter()
         drafts = self._scheduled([d for _, d in kept])
         scheduled = time.perf_counter()
         work = [_Work(r, Segment(r.slot, torch.cat([r.context[-1:], d.tokens.cpu()])), draft=d)
                 for (r, _), d in zip(kept, drafts, strict=True)]
         work += [_Work(r, Segment(r.slot, chunk, "last" if last else "none"), last=last)
-                 for r, chunk, last in self._prefill_chunks([r for r in self.running if not r.decoding])]
+                 for r, chunk, last in self._prefill_chunks([r for r in self.running if not r.prefilled])]
         events, rounds = self._commit_all(self._forward(work))
         end = time.perf_counter()
 
@@ -225,46 +225,43 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_concurrency:
             request = self.waiting.popleft()
-            request.slot = self.target.allocate()
+            request.slot = self.backend.allocate()
             request.started = time.perf_counter()
             self.running.append(request)
 
-    def _budget(self, request: Request) -> int:
-        gamma = self.block_size if request.block_size is None else min(request.block_size, self.block_size)
-        return max(0, min(gamma, request.max_new_tokens - len(request.output_ids) - 1))
-
     def _draft(self, requests: list[Request]) -> list[Draft]:
-        """Drafts of every decoding request; one whose drafting fails is failed (its draft: empty)."""
-        budgets = [self._budget(r) for r in requests]
-        active = [i for i, b in enumerate(budgets) if b > 0]
+        """Drafts of every prefilled request; one whose drafting fails is failed (its draft: empty)."""
+        num_tokens = [resolve_block_size(self.block_size, request_limit=r.block_size,
+                                         tokens_left=r.max_new_tokens - len(r.output_ids)) for r in requests]
+        active = [i for i, n in enumerate(num_tokens) if n > 0]
         drafts = [Draft.empty() for _ in requests]
-        proposed = self._propose([requests[i] for i in active], [budgets[i] for i in active])
+        proposed = self._propose([requests[i] for i in active], [num_tokens[i] for i in active])
         for i, draft in zip(active, proposed, strict=True):
             if draft is not None:
-                drafts[i] = draft.truncate(budgets[i])
+                drafts[i] = draft.truncate(num_tokens[i])
         return drafts
 
-    def _propose(self, requests: list[Request], budgets: list[int]) -> list[Draft | None]:
+    def _propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft | None]:
         """One batched proposal; if it fails, each request again alone from the same generator
         states, to find the one at fault (batched drafters only read their states in a proposal)."""
         if not requests:
             return []
         # a loop anyway (or a duck-typed wrapper without its own batch method): isolate each call
         if getattr(type(self.drafter), "propose_batch", Drafter.propose_batch) is Drafter.propose_batch:
-            return [self._propose_alone(r, b) for r, b in zip(requests, budgets, strict=True)]
+            return [self._propose_alone(r, n) for r, n in zip(requests, num_tokens, strict=True)]
         saved = [_generator_state(r.generator) for r in requests]
         try:
             return self.drafter.propose_batch([r.drafter_state for r in requests], [r.context for r in requests],
-                                              budgets, [r.sampling for r in requests],
+                                              num_tokens, [r.sampling for r in requests],
                                               [r.generator for r in requests])
         except Exception:
             for request, state in zip(requests, saved, strict=True):
                 _restore_generator(request.generator, state)
-            return [self._propose_alone(r, b) for r, b in zip(requests, budgets, strict=True)]
+            return [self._propose_alone(r, n) for r, n in zip(requests, num_tokens, strict=True)]
 
-    def _propose_alone(self, request: Request, budget: int) -> Draft | None:
+    def _propose_alone(self, request: Request, num_tokens: int) -> Draft | None:
         try:
-            return self.drafter.propose_batch([request.drafter_state], [request.context], [budget],
+            return self.drafter.propose_batch([request.drafter_state], [request.context], [num_tokens],
                                               [request.sampling], [request.generator])[0]
         except Exception as error:
             self.fail(request, GenerationFailed("drafting", error))
@@ -279,27 +276,27 @@ class Engine:
 
     def _prefill_chunks(self, requests: list[Request]) -> list[tuple[Request, torch.Tensor, bool]]:
         """Prompt chunks for this round, at most `prefill_chunk` tokens in all (first come first)."""
-        chunks, budget = [], self.prefill_chunk
+        chunks, room = [], self.prefill_chunk
         for request in requests:
-            if budget <= 0:
+            if room <= 0:
                 break
             prompt = request.prompt_ids
-            end = min(prompt.shape[0], request.prefilled + budget)
-            chunks.append((request, prompt[request.prefilled : end], end == prompt.shape[0]))
-            budget -= end - request.prefilled
+            end = min(prompt.shape[0], request.num_prefilled + room)
+            chunks.append((request, prompt[request.num_prefilled : end], end == prompt.shape[0]))
+            room -= end - request.num_prefilled
         return chunks
 
     def _forward(self, work: list["_Work"]) -> list[tuple["_Work", TargetOutput]]:
         """The round's target forward. When it fails (out of memory, typically) every slot is rolled
         back, the request holding the most KV cache is failed, and the forward is redone without it."""
         while work:
-            lengths = [self.target.length(item.segment.slot) for item in work]
+            lengths = [self.backend.length(item.segment.slot) for item in work]
             try:
-                return list(zip(work, self.target.forward([item.segment for item in work]), strict=True))
+                return list(zip(work, self.backend.forward([item.segment for item in work]), strict=True))
             except Exception as error:
                 for item, length in zip(work, lengths, strict=True):
-                    if self.target.length(item.segment.slot) > length:
-                        self.target.rollback(item.segment.slot, length)
+                    if self.backend.length(item.segment.slot) > length:
+                        self.backend.rollback(item.segment.slot, length)
                 largest = max(work, key=lambda item: footprint(item.request))
                 self.fail(largest.request, GenerationFailed("running the target", error))
                 work = [item for item in work if item is not largest]
@@ -330,7 +327,7 @@ class Engine:
             return None
 
     def _commit_prefill(self, request: Request, chunk: torch.Tensor, last: bool, output: TargetOutput) -> list[int]:
-        request.prefilled += int(chunk.shape[0])
+        request.num_prefilled += int(chunk.shape[0])
         if output.hidden is not None:
             request.prompt_features.append(output.hidden)
         if not last:
@@ -347,7 +344,7 @@ class Engine:
         tokens = draft.tokens.cpu()
         verdict = verify(tokens, draft.q, output.logits, request.sampling, request.generator)
         cached = request.context.shape[0] - 1  # everything before the anchor
-        self.target.rollback(request.slot, cached + 1 + verdict.num_accepted)
+        self.backend.rollback(request.slot, cached + 1 + verdict.num_accepted)
         hidden = None if output.hidden is None else output.hidden[: 1 + verdict.num_accepted]
         self.drafter.commit(request.drafter_state, hidden)
         request.stats.record_round(len(draft), verdict.num_accepted)
@@ -377,28 +374,29 @@ class Engine:
             request.stats.total_time = time.perf_counter() - request.started
         if request in self.running:
             self.running.remove(request)
-            self.target.release(request.slot)
+            self.backend.release(request.slot)
             self.stats.num_requests_finished += 1
-            cache = getattr(self.target, "cache", None)
+            cache = getattr(self.backend, "cache", None)
             if isinstance(cache, SlotCache):
                 cache.reclaim()
         request.drafter_state = None
         request.prompt_features = []
 
-    def _account(self, decoding, drafts, start, drafted, scheduled, end) -> None:
+    def _account(self, verified, drafts, start, drafted, scheduled, end) -> None:
+        """Times and counts of a round; `verified`: the requests whose drafts (maybe none) were verified."""
         stats = self.stats
         stats.num_rounds += 1
         stats.round_time += end - start
         stats.scheduler_time += scheduled - drafted
-        for request, draft in zip(decoding, drafts, strict=True):
+        for request, draft in zip(verified, drafts, strict=True):
             request.stats.draft_time += scheduled - start
             request.stats.verify_time += end - scheduled
             stats.num_verified += len(draft)
             stats.num_accepted += request.stats.accepted_per_round[-1]
-        if decoding:
-            stats.decode_rounds += 1
-            stats.request_rounds += len(decoding)
-            stats.budget_sum += sum(len(d) for d in drafts) / len(decoding)
+        if verified:
+            stats.verify_rounds += 1
+            stats.request_rounds += len(verified)
+            stats.verified_per_request_sum += sum(len(d) for d in drafts) / len(verified)
         for request in self.running:
             request.stats.total_time = end - request.started
 
@@ -428,7 +426,7 @@ class Engine:
 
 @dataclass
 class _Work:
-    """One request's part of a round's forward: a decode segment (with its draft) or a prompt chunk."""
+    """One request's part of a round's forward: a verify segment (with its draft) or a prompt chunk."""
 
     request: Request
     segment: Segment

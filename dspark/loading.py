@@ -29,8 +29,14 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
+#: how a user names a target: "default", an HF directory, an offline hub id or a GGUF file
+TargetSpec = str
+
+
 @dataclass
 class LoadedTarget:
+    """A target once loaded: its HF model, tokenizer and display name, and where it came from."""
+
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase | None
     name: str
@@ -110,7 +116,7 @@ def converted_dir_for(gguf_path: Path, name: str | None = None) -> Path:
     return cache_dir() / "models" / (name or f"{gguf_path.stem}-{key}")
 
 
-def resolve_target_dir(spec: str) -> tuple[Path | str, str]:
+def resolve_target_dir(spec: TargetSpec) -> tuple[Path | str, str]:
     """(HF directory or hub id, display name) for a target spec."""
     if spec in ("", DEFAULT_TARGET):
         converted = cache_dir() / "models" / DEFAULT_NAME
@@ -178,7 +184,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def load_target(spec: str = DEFAULT_TARGET, dtype: torch.dtype | str = torch.float32,
+def load_target(spec: TargetSpec = DEFAULT_TARGET, dtype: torch.dtype | str = torch.float32,
                 device: str = "cpu") -> LoadedTarget:
     """Load model + tokenizer, offline only; every failure becomes a one-line TargetLoadError.
     `dtype` takes a torch dtype or a `--dtype` name (`auto`: see `resolve_dtype`)."""

@@ -41,7 +41,7 @@ class Segment:
 
 
 def supports_ragged(model: PreTrainedModel) -> bool:
-    """Whether `RaggedTarget` can run this model (else the engine loops the HF adapter)."""
+    """Whether `RaggedBackend` can run this model (else the engine loops the HF adapter)."""
     config = model.config
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return False
@@ -95,9 +95,9 @@ def _resized(old: torch.Tensor, capacity: int, kept: int) -> torch.Tensor:
     return new
 
 
-class RaggedTarget:
-    """Slots of requests over one Llama-family model: `allocate` a slot, `forward` segments of any
-    number of slots at once, `rollback` a slot, `release` it."""
+class RaggedBackend:
+    """The engine's backend for Llama-family models: `allocate` a slot, `forward` segments of any
+    number of slots at once (one flattened batch), `rollback` a slot, `release` it."""
 
     def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int] = (), max_slots: int = 8,
                  attention: str = "loop") -> None:
@@ -280,7 +280,7 @@ def fuse_layer(layer: torch.nn.Module, num_heads: int, num_kv_heads: int, head_d
 def _fused_parameter(modules: list[torch.nn.Module], name: str) -> torch.Tensor:
     parts = [getattr(m, name) for m in modules]
     fused = _back_to_back(parts)
-    if fused is not None:  # fused by an earlier RaggedTarget on the same model
+    if fused is not None:  # fused by an earlier RaggedBackend on the same model
         return fused
     fused = torch.cat([p.detach() for p in parts])
     cursor = 0

@@ -49,23 +49,23 @@ def _cpu_count() -> int:
 
 def draft_latency(loaded, drafter, gamma: int, repeats: int = 9) -> dict:
     """Median draft time per round for ℓ = 1..γ tokens and one verify forward of γ+1 tokens (ms)."""
-    from dspark.api import single_request_target
+    from dspark.engine import make_backend
     from dspark.ragged import Segment
     from dspark.sampling import SamplingParams
     from dspark.text import prompt_ids
 
     ids = prompt_ids(loaded, "Write a Python function that merges two sorted lists.")
-    target = single_request_target(loaded, drafter)
-    slot = target.allocate()
-    prefill = target.forward([Segment(slot, ids[:-1], "last")])[0]
+    backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=1)
+    slot = backend.allocate()
+    prefill = backend.forward([Segment(slot, ids[:-1], "last")])[0]
     state = drafter.start(ids[:-1], prefill.hidden)
     block = torch.cat([ids[-1:], ids[: gamma]])
     timings: dict[str, list[float]] = {"verify": [], **{str(n): [] for n in range(1, gamma + 1)}}
     for _ in range(repeats):
         start = time.perf_counter()
-        target.forward([Segment(slot, block)])
+        backend.forward([Segment(slot, block)])
         timings["verify"].append(time.perf_counter() - start)
-        target.rollback(slot, ids.shape[0] - 1)
+        backend.rollback(slot, ids.shape[0] - 1)
         for n in range(1, gamma + 1):
             start = time.perf_counter()
             drafter.propose(state, ids, n, SamplingParams(), None)
@@ -75,12 +75,12 @@ def draft_latency(loaded, drafter, gamma: int, repeats: int = 9) -> dict:
 
 def acceptance_section(loaded, drafters: dict, prompts, args) -> dict:
     """τ per dataset / domain and per-position acceptance, per drafter and temperature."""
-    from dspark.api import effective_block_size
     from dspark.sampling import SamplingParams
+    from dspark.scheduler import resolve_block_size
 
     results = {}
     for name, drafter in drafters.items():
-        gamma = effective_block_size(drafter, None)
+        gamma = resolve_block_size(None, drafter_limit=drafter.max_block_size)
         for temperature in args.temperature:
             started = time.perf_counter()
             rollouts = run_rollouts(loaded, drafter, prompts, max_new_tokens=args.max_new_tokens,

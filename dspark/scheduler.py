@@ -7,9 +7,11 @@ The expected token throughput of a round is Θ = τ·SPS(B), with τ = Σ_r (1 +
 expected tokens emitted and SPS(B) the target's steps per second at B tokens per forward (profiled
 once, `SPSTable`).
 
+γ_r itself, the drafts a request is asked for, is capped in one place: `resolve_block_size`.
+
 Schedulers here are pure functions of the survival lists, so they can be tested without a model:
 
-- `fixed_lengths`: verify min(γ, γ_r) drafts (the usual speculative decoding);
+- `fixed_lengths`: verify min(n, γ_r) drafts (the usual speculative decoding);
 - `threshold_lengths`: the static confidence threshold of prior work (longest prefix with a ≥ t);
 - `dspark_lengths`: paper Algorithm 1 — greedy admission in order of a, stopping at the first
   admission that does not improve Θ. The early stop is what keeps sampling lossless: admitting
@@ -209,9 +211,9 @@ def _throughputs(order: list[tuple[float, int, int]], num_requests: int, sps: St
         yield expected * sps(batch)
 
 
-def fixed_lengths(survival: Survival, gamma: int) -> list[int]:
-    """Verify the first min(γ, γ_r) drafts of every request, whatever the confidences."""
-    return [min(gamma, len(row)) for row in _rows(survival)]
+def fixed_lengths(survival: Survival, max_verified: int) -> list[int]:
+    """Verify the first min(n, γ_r) drafts of every request, whatever the confidences."""
+    return [min(max_verified, len(row)) for row in _rows(survival)]
 
 
 def threshold_lengths(survival: Survival, t: float) -> list[int]:
@@ -300,7 +302,7 @@ def _dspark_async(survival: Survival, sps: StepCurve, state: SchedulerState | No
 
 
 def get_scheduler(name: str) -> Scheduler:
-    """A scheduler by name: "none" (no drafts: plain decoding), "fixed" (every draft), "fixed-<γ>",
+    """A scheduler by name: "none" (no drafts: plain decoding), "fixed" (every draft), "fixed-<n>",
     "threshold" (t = 0.5) or "threshold-<t>", "dspark" (Algorithm 1), "dspark-async" (§5.2)."""
     if name == "none":
         return _none
@@ -311,10 +313,10 @@ def get_scheduler(name: str) -> Scheduler:
     kind, _, arg = name.partition("-")
     try:
         if kind == "fixed":
-            gamma = int(arg) if arg else 1 << 30
-            if gamma < 0:
+            max_verified = int(arg) if arg else 1 << 30
+            if max_verified < 0:
                 raise ValueError
-            return lambda survival, sps, state: fixed_lengths(survival, gamma)
+            return lambda survival, sps, state: fixed_lengths(survival, max_verified)
         if kind == "threshold":
             t = float(arg) if arg else 0.5
             if not 0.0 <= t <= 1.0:
@@ -322,8 +324,41 @@ def get_scheduler(name: str) -> Scheduler:
             return lambda survival, sps, state: threshold_lengths(survival, t)
     except ValueError:
         pass
-    raise DsparkError(f"unknown scheduler {name!r}; use none, fixed, fixed-<γ>, threshold, threshold-<t>, "
+    raise DsparkError(f"unknown scheduler {name!r}; use none, fixed, fixed-<n>, threshold, threshold-<t>, "
                       "dspark or dspark-async")
+
+
+# --------------------------------------------------------------------- γ, the block size
+
+#: γ when neither the caller nor the drafter names one
+DEFAULT_BLOCK_SIZE = 7
+
+
+def resolve_block_size(requested: int | None, *, drafter_limit: int | None = None,
+                       scheduler: str | Scheduler | None = None, request_limit: int | None = None,
+                       tokens_left: int | None = None) -> int:
+    """γ, the most drafts a round may verify: every cap on it is applied here, and only here (the
+    scheduler then verifies ℓ_r ≤ γ of them).
+
+    For a run, γ is `requested`, else the drafter's own block size (`drafter_limit`), else 7; asking
+    a DSpark drafter for more than it was trained for is an error (it would draft slots it never
+    learnt), and the "none" scheduler verifies nothing (γ = 0). For one request's round, its own
+    `request_limit` and `tokens_left` cap it too: the round always emits one token of the target's.
+    """
+    if requested is None:
+        block_size = DEFAULT_BLOCK_SIZE if drafter_limit is None else drafter_limit
+    else:
+        if drafter_limit is not None and 0 < drafter_limit < requested:
+            raise DsparkError(f"block size {requested} exceeds the drafter's block size {drafter_limit}; "
+                              "it can only be reduced")
+        block_size = requested if drafter_limit is None else min(requested, drafter_limit)
+    if isinstance(scheduler, str) and scheduler == "none":
+        block_size = 0
+    if request_limit is not None:
+        block_size = min(block_size, request_limit)
+    if tokens_left is not None:
+        block_size = max(0, min(block_size, tokens_left - 1))
+    return block_size
 
 
 # ------------------------------------------------------------------------------- overhead

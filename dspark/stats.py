@@ -77,17 +77,19 @@ class EngineStats:
     num_drafted: int = 0
     num_verified: int = 0
     num_accepted: int = 0
-    #: Σ over rounds of the mean verified drafts per decoding request (the verification budget)
-    budget_sum: float = 0.0
-    decode_rounds: int = 0
-    #: Σ over rounds of the number of decoding requests in the round
+    #: Σ over verify rounds of the mean drafts verified per request
+    verified_per_request_sum: float = 0.0
+    #: rounds in which some prefilled request was verified (drafts or only its anchor)
+    verify_rounds: int = 0
+    #: Σ over rounds of the number of requests verified in the round
     request_rounds: int = 0
     round_time: float = 0.0
     scheduler_time: float = 0.0
 
     @property
-    def mean_budget(self) -> float:
-        return self.budget_sum / self.decode_rounds if self.decode_rounds else 0.0
+    def verified_per_request(self) -> float:
+        """Mean drafts verified per request per round (reported as the "verification budget")."""
+        return self.verified_per_request_sum / self.verify_rounds if self.verify_rounds else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -95,5 +97,5 @@ class EngineStats:
 
     @property
     def tau(self) -> float:
-        """Mean tokens per request-round: (accepted + one target token) per decoding request."""
+        """Mean tokens per request-round: (accepted + one target token) per verified request."""
         return 0.0 if not self.request_rounds else (self.num_accepted + self.request_rounds) / self.request_rounds

@@ -13,6 +13,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 @dataclass
 class TargetOutput:
+    """What one forward returns for one segment."""
+
     logits: torch.Tensor  # (k, V) float32, one row per new position (or only the last on prefill)
     hidden: torch.Tensor | None  # (k, len(layer_ids) * D) concatenated features, or None
 
@@ -23,6 +25,9 @@ def hf_hidden_index(layer_id: int) -> int:
 
 
 class Target:
+    """One sequence's forward over an HF model with its own KV cache (the batch-1 adapter); the engine
+    runs it through `SerialBackend`, drafters use it for their own models."""
+
     def __init__(self, model: PreTrainedModel, layer_ids: tuple[int, ...] = ()) -> None:
         self.model = model.eval()
         self.config = model.config
@@ -98,21 +103,21 @@ class Target:
             self.length = length
 
 
-class TargetSlots:
-    """Slots over batch-1 targets (the HF adapter, or any object with `extend` / `rollback` /
-    `length`): a forward runs its segments one after another. The fallback for architectures the
+class SerialBackend:
+    """The engine's backend over batch-1 targets (`Target`, or any object with `extend` / `rollback` /
+    `length`), one per slot: a forward runs its segments one after another. The fallback for architectures the
     ragged forward does not cover, and the path for custom targets."""
 
     def __init__(self, targets: list) -> None:
         if not targets:
-            raise ValueError("TargetSlots needs at least one target")
+            raise ValueError("SerialBackend needs at least one target")
         self.targets = list(targets)
         self.layer_ids = tuple(getattr(targets[0], "layer_ids", ()))
         self.max_slots = len(self.targets)
         self.free = list(range(self.max_slots))[::-1]
 
     @classmethod
-    def for_model(cls, model: PreTrainedModel, layer_ids: tuple[int, ...] = (), max_slots: int = 1) -> "TargetSlots":
+    def for_model(cls, model: PreTrainedModel, layer_ids: tuple[int, ...] = (), max_slots: int = 1) -> "SerialBackend":
         return cls([Target(model, layer_ids) for _ in range(max_slots)])
 
     def allocate(self) -> int:

@@ -15,10 +15,10 @@ from dspark.drafters.dspark_drafter import DSparkDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine, Request, make_backend
 from dspark.errors import DsparkError
-from dspark.ragged import RaggedTarget, Segment
+from dspark.ragged import RaggedBackend, Segment
 from dspark.sampling import SamplingParams, make_generator
 from dspark.scheduler import SPSTable
-from dspark.target import Target, TargetSlots
+from dspark.target import SerialBackend, Target
 
 ALPHA = 1e-3
 
@@ -48,7 +48,7 @@ def prompts(count: int, seed: int = 0) -> list[torch.Tensor]:
 def test_ragged_forward_matches_hf(arch, attention):
     model = model_of(arch)
     layer_ids = (-1, 0, model.config.num_hidden_layers - 1)
-    ragged = RaggedTarget(model, layer_ids, max_slots=4, attention=attention)
+    ragged = RaggedBackend(model, layer_ids, max_slots=4, attention=attention)
     sequences = prompts(3, seed=1)
     slots = [ragged.allocate() for _ in sequences]
     first = ragged.forward([Segment(s, q[:-3], "last") for s, q in zip(slots, sequences, strict=True)])
@@ -68,14 +68,14 @@ def test_ragged_forward_matches_hf(arch, attention):
 def test_ragged_refuses_unsupported_models_and_the_engine_falls_back():
     gpt2 = tiny_model("gpt2")
     with pytest.raises(DsparkError, match="ragged batching supports"):
-        RaggedTarget(gpt2)
-    assert isinstance(make_backend(gpt2, max_slots=2), TargetSlots)
-    assert isinstance(make_backend(tiny_model("llama"), max_slots=2), RaggedTarget)
+        RaggedBackend(gpt2)
+    assert isinstance(make_backend(gpt2, max_slots=2), SerialBackend)
+    assert isinstance(make_backend(tiny_model("llama"), max_slots=2), RaggedBackend)
 
 
 def test_cache_grows_past_its_first_capacity():
     model = tiny_model("llama")
-    ragged = RaggedTarget(model, max_slots=2)
+    ragged = RaggedBackend(model, max_slots=2)
     long = torch.randint(3, VOCAB, (300,), generator=torch.Generator().manual_seed(0))
     slot = ragged.allocate()
     ragged.forward([Segment(slot, long[:200], "none")])
@@ -135,7 +135,7 @@ def test_request_joining_mid_flight_and_abort():
         engine.step()
     for request in (first, second):
         assert request.output_ids == hf_greedy(model, request.prompt_ids, 20)
-    assert len(engine.target.free) == 4
+    assert len(engine.backend.free) == 4
 
 
 def test_engine_rejects_bad_requests_and_settings():
@@ -182,7 +182,7 @@ class ConfidentMarkovDrafter(MarkovDrafter):
 
 def concurrent_samples(target_table, drafter, params, num_requests, num_tokens, scheduler="dspark", seed=0):
     """Outputs of `num_requests` requests run 4 at a time, each with its own seeded generator."""
-    backend = TargetSlots([MarkovTarget(target_table) for _ in range(4)])
+    backend = SerialBackend([MarkovTarget(target_table) for _ in range(4)])
     steep = SPSTable(tuple(1.0 / (1.0 + 0.12 * b) for b in range(1, 40)))
     engine = Engine(backend, drafter, block_size=4, scheduler=scheduler, sps=steep)
     requests = [Request(torch.tensor([0]), num_tokens, params, make_generator(seed * 100_000 + i))
@@ -197,7 +197,7 @@ def test_concurrent_scheduled_sampling_is_lossless(scheduler):
     params = SamplingParams(temperature=1.0)
     outputs, engine = concurrent_samples(target_table, ConfidentMarkovDrafter(draft_table), params, 3000, 4,
                                          scheduler)
-    assert 0.3 < engine.stats.mean_budget < 3.5  # the scheduler really cut drafts, and not all of them
+    assert 0.3 < engine.stats.verified_per_request < 3.5  # the scheduler really cut drafts, and not all of them
     marginals = exact_marginals(target_table, 0, params, 4)
     pvalues = [chi_square_pvalue(outputs[:, j], marginals[j]) for j in range(4)]
     assert min(pvalues) > ALPHA, pvalues
@@ -238,7 +238,7 @@ def test_a_request_whose_sampling_fails_ends_alone(drafter_kind):
     for request in healthy:
         assert request.finish_reason == "length"
         assert request.output_ids == hf_greedy(model, request.prompt_ids, 14)
-    assert not engine.running and len(engine.target.free) == 4
+    assert not engine.running and len(engine.backend.free) == 4
 
 
 def test_a_failed_batched_proposal_is_redone_without_the_request_at_fault():
@@ -277,7 +277,7 @@ def test_a_failing_forward_sheds_the_largest_request_and_redoes_the_round(fail_a
     sheds the request holding the most KV cache, rolls the others' slots back (even after the forward
     has written them) and redoes the forward: the others' outputs are exactly HF's."""
     model, engine = engine_with("dspark")
-    backend = engine.target
+    backend = engine.backend
     real = backend.forward
 
     def forward(segments):
@@ -326,7 +326,7 @@ def test_kv_capacity_is_reclaimed_when_long_requests_finish():
     back, and a request decoding across the shrink still gets exactly HF's output."""
     model = tiny_model("llama", num_layers=3)
     engine = Engine(make_backend(model, max_slots=2), NoDrafter(), block_size=0)
-    cache = engine.target.cache
+    cache = engine.backend.cache
     start = cache.capacity
     long = Request(torch.randint(3, VOCAB, (300,), generator=torch.Generator().manual_seed(1)), 2)
     short = Request(prompts(1, seed=2)[0], 30)

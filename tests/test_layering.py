@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("dspark.drafters.files", "dspark.loading", "dspark.target", "dspark.ragged", "dspark.batch_decode",
                 "dspark.text", "dspark.cli_args")),
     ("drafters", ("dspark.drafters",)),
-    ("runtime", ("dspark.scheduler", "dspark.profiling", "dspark.engine", "dspark.generation")),
+    ("runtime", ("dspark.scheduler", "dspark.profiling", "dspark.engine", "dspark.generation", "dspark.factory")),
     ("api", ("dspark.api", "dspark")),
     ("eval", ("dspark.eval", "dspark.plots")),
     ("calibration", ("dspark.calibration",)),

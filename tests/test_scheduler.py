@@ -14,6 +14,7 @@ from stats_helpers import chi_square_pvalue
 from dspark.errors import DsparkError
 from dspark.sampling import sample
 from dspark.scheduler import (
+    DEFAULT_BLOCK_SIZE,
     SchedulerState,
     SPSTable,
     async_capacity,
@@ -21,6 +22,7 @@ from dspark.scheduler import (
     fixed_lengths,
     get_scheduler,
     profile_sps,
+    resolve_block_size,
     retrospective_lengths,
     scheduler_overhead,
     threshold_lengths,
@@ -286,3 +288,35 @@ def test_causal_admission_that_depends_on_earlier_drafts_is_lossless():
             tokens += _toy_round(dspark_lengths, sps, generator)
         pairs.append(2 * tokens[0] + tokens[1])
     assert chi_square_pvalue(torch.tensor(pairs), torch.outer(P, P).flatten()) > ALPHA
+
+
+# ------------------------------------------------------------------------------ γ and the choice
+
+
+def test_resolve_block_size_applies_every_cap():
+    assert resolve_block_size(None) == DEFAULT_BLOCK_SIZE
+    assert resolve_block_size(None, drafter_limit=4) == 4  # the drafter's own
+    assert resolve_block_size(3, drafter_limit=4) == 3
+    assert resolve_block_size(9) == 9  # an unbounded drafter (n-gram)
+    assert resolve_block_size(5, drafter_limit=0) == 0  # NoDrafter: nothing to draft, and no error
+    with pytest.raises(DsparkError, match="can only be reduced"):
+        resolve_block_size(5, drafter_limit=4)
+    assert resolve_block_size(4, scheduler="none") == 0
+    assert resolve_block_size(4, scheduler=get_scheduler("none")) == 4  # only the name means γ = 0
+    assert resolve_block_size(4, request_limit=2, tokens_left=10) == 2
+    assert resolve_block_size(4, tokens_left=3) == 2  # the round always adds one token of the target's
+    assert resolve_block_size(4, request_limit=-1, tokens_left=0) == 0
+
+
+def test_drafters_without_confidences_verify_every_draft():
+    from types import SimpleNamespace
+
+    from dspark.factory import scheduler_for
+
+    plain, confident = SimpleNamespace(), SimpleNamespace(config=SimpleNamespace(enable_confidence_head=True))
+    assert [scheduler_for(name, plain, 4) for name in ("dspark", "threshold", "fixed-2", "none")] == [
+        "fixed", "fixed", "fixed-2", "none"]
+    assert scheduler_for("dspark-async", confident, 4) == "dspark-async"
+    assert scheduler_for("dspark", confident, 0) == "fixed"  # γ = 0: nothing to schedule
+    with pytest.raises(DsparkError, match="unknown scheduler"):
+        scheduler_for("sometimes", confident, 4)

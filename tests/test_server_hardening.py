@@ -28,10 +28,10 @@ from dspark.loading import check_shard_index
 from dspark.server import guards
 from dspark.server.app import build_server
 from dspark.server.guards import host_allowed, host_name, key_matches
-from dspark.server.limits import ServerLimits, completion_budget
+from dspark.server.limits import ServerLimits, completion_max_tokens
 from dspark.server.protocol import APIError
 from dspark.server.run import DrainingServer
-from dspark.server.service import DeadlineExceeded, EngineDown, EngineService, ServiceStopped
+from dspark.server.service import END_OF_STREAM, DeadlineExceeded, EngineDown, EngineService, ServiceStopped
 
 CHAT = "/v1/chat/completions"
 LONG_PROMPT = "w5 w6"  # greedy, the tiny target runs 1500 tokens from it without an EOS
@@ -299,20 +299,20 @@ def test_a_prompt_that_leaves_no_room_names_the_prompt_never_a_negative_max_toke
     assert error["code"] == "context_length_exceeded"
 
 
-def test_completion_budget():
+def test_completion_max_tokens():
     limits = ServerLimits(default_max_tokens=512, max_tokens=1000, max_prompt_tokens=100)
-    assert completion_budget(10, None, limits, 2048, "prompt") == 512  # the default, not the whole window
-    assert completion_budget(10, None, ServerLimits(), 300, "prompt") == 290  # cut to the window's room
-    assert completion_budget(10, None, ServerLimits(), None, "prompt") == 512
-    assert completion_budget(10, 1000, limits, 2048, "prompt") == 1000
+    assert completion_max_tokens(10, None, limits, 2048, "prompt") == 512  # the default, not the whole window
+    assert completion_max_tokens(10, None, ServerLimits(), 300, "prompt") == 290  # cut to the window's room
+    assert completion_max_tokens(10, None, ServerLimits(), None, "prompt") == 512
+    assert completion_max_tokens(10, 1000, limits, 2048, "prompt") == 1000
     for prompt, requested, param, needle in ((101, 5, "prompt", "this server accepts at most 100"),
                                              (10, 1001, "max_tokens", "limit of 1000"),
                                              (10, 2039, "max_tokens", "context window")):
         with pytest.raises(APIError) as caught:
-            completion_budget(prompt, requested, limits, 2048, "prompt")
+            completion_max_tokens(prompt, requested, limits, 2048, "prompt")
         assert caught.value.param == param and needle in caught.value.message
     with pytest.raises(APIError, match="the context window accepts at most 2047"):
-        completion_budget(2048, None, ServerLimits(), 2048, "messages")
+        completion_max_tokens(2048, None, ServerLimits(), 2048, "messages")
 
 
 # ------------------------------------------------------------------ 4. text that is not UTF-8
@@ -444,7 +444,7 @@ def service_over_tiny_engine() -> EngineService:
 
 async def items_of(submission) -> list:
     items = []
-    while not items or items[-1] is not None:
+    while not items or items[-1] is not END_OF_STREAM:
         items.append(await asyncio.wait_for(submission.chunks.get(), 30))
     return items
 

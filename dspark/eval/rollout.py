@@ -1,6 +1,6 @@
 """Real speculative rollouts, recorded round by round, for evaluation and calibration.
 
-Nothing here re-implements decoding: prompts go through `speculative_decode` exactly as in
+Nothing here re-implements decoding: prompts go through the engine from `build_engine` exactly as in
 generation, with the drafter wrapped so that each round's `Draft` (tokens and per-position
 confidences) is captured. The verdict of a round is read from `GenerationStats`, whose
 `accepted_per_round` gets one entry per round in order, so round i's draft is paired with entry i.
@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
-from dspark.api import single_request_target
 from dspark.drafters.base import Draft, Drafter
-from dspark.generation import GenerationStats, speculative_decode
+from dspark.engine import Request
+from dspark.factory import build_engine
 from dspark.loading import LoadedTarget
 from dspark.sampling import SamplingParams, make_generator
+from dspark.stats import GenerationStats
 from dspark.text import eos_token_ids, prompt_ids
 
 
@@ -101,7 +102,7 @@ def _dspark_model(drafter: Drafter):
 
 class RecordingDrafter(DrafterWrapper):
     """Keeps each round's draft, keyed by round index (= rounds already recorded in `stats`): a round
-    whose budget was 0 never calls `propose`, so counting calls would misalign."""
+    that asked for no drafts never calls `propose`, so counting calls would misalign."""
 
     def __init__(self, inner: Drafter, stats: GenerationStats) -> None:
         super().__init__(inner)
@@ -166,14 +167,11 @@ def rollout_prompt(
     """Generate for one tokenised prompt and record every round."""
     stats = GenerationStats()
     recorder = RecordingDrafter(drafter, stats)
-    target = single_request_target(loaded, drafter)
+    engine = build_engine(loaded, recorder, block_size=block_size)
+    request = Request(ids, max_new_tokens, sampling, make_generator(seed), eos_token_ids(loaded), stats=stats)
     tokens: list[int] = []
     with recorder.capturing_raw_logits():
-        for chunk in speculative_decode(
-            target, recorder, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-            generator=make_generator(seed), block_size=block_size, eos_token_ids=eos_token_ids(loaded),
-            stats=stats,
-        ):
+        for chunk in engine.stream(request):
             tokens.extend(chunk)
     return PromptRollout(dataset, recorder.records(dataset), stats, tokens)
 

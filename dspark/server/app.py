@@ -27,14 +27,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dspark.engine import GenerationFailed
 from dspark.engine import Request as EngineRequest
 from dspark.errors import DsparkError
-from dspark.loading import LoadedTarget, dtype_name
+from dspark.factory import build_engine
+from dspark.loading import LoadedTarget, TargetSpec, dtype_name
 from dspark.sampling import make_generator
 from dspark.server.guards import AllowedHosts, BodyLimit, key_matches
-from dspark.server.limits import RETRY_AFTER_S, ServerLimits, check_request, completion_budget
+from dspark.server.limits import RETRY_AFTER_S, ServerLimits, check_request, completion_max_tokens
 from dspark.server.metrics import EngineCollector
 from dspark.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from dspark.server.service import (
-    FINISHED,
+    END_OF_STREAM,
     DeadlineExceeded,
     EngineDown,
     EngineService,
@@ -121,7 +122,7 @@ def create_app(loaded: LoadedTarget, service: EngineService, config: ServerConfi
     async def _serve(http: Request, body: SamplingRequest, ids: torch.Tensor, requested: int | None, kind: str,
                      prompt_param: str):
         prompt_length = int(ids.shape[0])
-        max_tokens = completion_budget(prompt_length, requested, limits, config.context_window, prompt_param)
+        max_tokens = completion_max_tokens(prompt_length, requested, limits, config.context_window, prompt_param)
         seed = None if body.seed is None else body.seed % (1 << 63)
         request = EngineRequest(ids, max_tokens, body.sampling_params(), make_generator(seed), eos)
         submission = _submit(service, request, limits.request_timeout_s)
@@ -228,7 +229,7 @@ async def _deltas(service: EngineService, submission: Submission, text: TextAccu
     request (in the engine, or turning its tokens into text) raises APIError for it alone."""
     while True:
         item = await submission.chunks.get()
-        if item is FINISHED:
+        if item is END_OF_STREAM:
             break
         if isinstance(item, Exception):
             raise api_error_of(item)
@@ -378,25 +379,21 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=500)
 
 
-def build_server(target: str = "default", drafter: str = "default", *, scheduler: str = "dspark",
+def build_server(target: TargetSpec = "default", drafter: str = "default", *, scheduler: str = "dspark",
                  max_concurrency: int = 8, max_queue: int = 64, block_size: int | None = None,
                  api_key: str | None = None, served_model_name: str | None = None,
                  prefill_chunk: int = 512, limits: ServerLimits | None = None, public_metrics: bool = False,
                  allowed_hosts: tuple[str, ...] = (), dtype: str = "auto") -> FastAPI:
     """Load the target (in `dtype`, a `--dtype` name) and drafter, profile if the scheduler needs it, and build
     the app."""
-    from dspark.api import effective_block_size, resolve, scheduler_for
-    from dspark.engine import Engine, make_backend
+    from dspark.api import resolve
 
     loaded, drafter_model = resolve(target, drafter, dtype)
     if loaded.tokenizer is None:
         raise DsparkError(f"target {loaded.name} has no tokenizer; the server needs one")
-    block_size = effective_block_size(drafter_model, block_size)
-    scheduler, sps = scheduler_for(scheduler, loaded, drafter_model, block_size, max_concurrency)
-    backend = make_backend(loaded.model, drafter_model.target_layer_ids, max_slots=max_concurrency)
     window = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
-    engine = Engine(backend, drafter_model, block_size=block_size, scheduler=scheduler, sps=sps,
-                    prefill_chunk=prefill_chunk, max_context=window)
+    engine = build_engine(loaded, drafter_model, scheduler=scheduler, block_size=block_size,
+                          max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=window)
     config = ServerConfig(served_model_name or loaded.name, api_key, window, limits or ServerLimits(),
                           public_metrics, tuple(allowed_hosts))
     return create_app(loaded, EngineService(engine, max_queue), config)

@@ -37,7 +37,7 @@ def check_request(body: SamplingRequest, limits: ServerLimits) -> None:
                        f"{limits.max_stop_length}", param="stop")
 
 
-def completion_budget(prompt_tokens: int, requested: int | None, limits: ServerLimits, window: int | None,
+def completion_max_tokens(prompt_tokens: int, requested: int | None, limits: ServerLimits, window: int | None,
                       prompt_param: str) -> int:
     """max_tokens for the engine: the client's (checked against the window and the server's limit)
     or the default, cut to the room the prompt leaves. A prompt that leaves no room is refused as

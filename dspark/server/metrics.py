@@ -29,7 +29,7 @@ class EngineCollector:
         yield GaugeMetricFamily("dspark_acceptance_rate", "Accepted / verified draft tokens",
                                 value=stats.acceptance_rate)
         yield GaugeMetricFamily("dspark_verification_budget", "Mean drafts verified per request per round",
-                                value=stats.mean_budget)
+                                value=stats.verified_per_request)
         yield GaugeMetricFamily("dspark_queue_depth", "Requests waiting for a slot", value=service.queue_depth)
         yield GaugeMetricFamily("dspark_running_requests", "Requests holding a slot", value=len(engine.running))
         yield SummaryMetricFamily("dspark_round_seconds", "Engine round time", count_value=stats.num_rounds,

@@ -20,7 +20,17 @@ from dspark.engine import Engine, GenerationFailed, Request
 
 log = logging.getLogger("dspark.server")
 
-FINISHED = None  #: the last item on a submission's queue
+class EndOfStream:
+    """The type of `END_OF_STREAM`, the last item on a submission's queue: a sentinel of its own, so it
+    cannot be mistaken for a chunk or for the exception that ended the request before it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "END_OF_STREAM"
+
+
+END_OF_STREAM = EndOfStream()
 
 
 class QueueFull(Exception):
@@ -41,16 +51,16 @@ class DeadlineExceeded(Exception):
 
 @dataclass(eq=False)
 class Submission:
-    """A request in flight: its token chunks (lists of ids), then FINISHED, arrive on `chunks`.
+    """A request in flight: its token chunks (lists of ids), then END_OF_STREAM, arrive on `chunks`.
     An exception object on the queue means the request failed (GenerationFailed, DeadlineExceeded,
-    ServiceStopped); FINISHED follows it."""
+    ServiceStopped); END_OF_STREAM follows it."""
 
     request: Request
     loop: asyncio.AbstractEventLoop
     deadline: float | None = None  #: time.monotonic() past which the request is ended
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
 
-    def deliver(self, item) -> None:
+    def deliver(self, item: list[int] | Exception | EndOfStream) -> None:
         try:
             self.loop.call_soon_threadsafe(self.chunks.put_nowait, item)
         except RuntimeError:  # the event loop has closed (shutdown): nobody is waiting any more
@@ -144,7 +154,7 @@ class EngineService:
                 self._live.clear()
             for submission in live:
                 submission.deliver(EngineDown("the engine stopped while serving this request"))
-                submission.deliver(FINISHED)
+                submission.deliver(END_OF_STREAM)
 
     def _run(self) -> None:
         engine = self.engine
@@ -220,7 +230,7 @@ class EngineService:
             self.finished[reason] = self.finished.get(reason, 0) + 1
             if error is not None:
                 submission.deliver(error)
-            submission.deliver(FINISHED)
+            submission.deliver(END_OF_STREAM)
 
 
 def release_free_memory() -> None:

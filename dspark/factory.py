@@ -1,0 +1,63 @@
+"""The one way to build an engine for a loaded target and a drafter: `generate`, `serve`, `eval` and the
+benchmarks all call `build_engine`, so γ (`resolve_block_size`), the scheduler a drafter can use, the
+SPS profile it needs and the backend cannot drift apart between entry points.
+
+`generation.speculative_decode` stays the lower-level path: a backend and a γ taken as given.
+"""
+
+from dspark.drafters.base import Drafter
+from dspark.engine import Engine, make_backend
+from dspark.loading import LoadedTarget
+from dspark.profiling import sps_table
+from dspark.scheduler import SPSTable, StepCurve, get_scheduler, resolve_block_size
+
+
+def has_confidences(drafter: Drafter) -> bool:
+    """Whether the drafter estimates its drafts' survival (a DSpark confidence head); for the others
+    every a_k is 1, so a load-aware scheduler has nothing to rank."""
+    return bool(getattr(getattr(drafter, "config", None), "enable_confidence_head", False))
+
+
+def scheduler_for(name: str, drafter: Drafter, block_size: int) -> str:
+    """The scheduler to run for `name`: a drafter without confidences verifies every draft unless a
+    fixed count (or none) is asked for, and with γ = 0 there is nothing to schedule."""
+    get_scheduler(name)
+    if block_size == 0 or (not has_confidences(drafter) and not name.startswith("fixed") and name != "none"):
+        return "fixed"
+    return name
+
+
+def step_rates(loaded: LoadedTarget, scheduler: str, block_size: int, max_concurrency: int = 1) -> SPSTable | None:
+    """SPS(B) for the "dspark*" schedulers (None for the others), up to the largest forward the engine
+    issues, max_concurrency·(γ + 1) tokens; profiled once per target and cached (`dspark.profiling`)."""
+    if not scheduler.startswith("dspark"):
+        return None
+    return sps_table(loaded, max_concurrency * (block_size + 1))
+
+
+def build_engine(
+    loaded: LoadedTarget,
+    drafter: Drafter,
+    *,
+    scheduler: str = "fixed",
+    block_size: int | None = None,
+    max_concurrency: int = 1,
+    prefill_chunk: int = 512,
+    max_context: int | None = None,
+    sps: StepCurve | None = None,
+    as_named: bool = False,
+) -> Engine:
+    """An engine with `max_concurrency` slots on `loaded`'s model, drafting with `drafter`.
+
+    `block_size`: γ asked for (None: the drafter's own); `sps`: a step-rate table already measured
+    (else profiled when the scheduler needs one). `as_named` runs `scheduler` even on a drafter
+    without confidences, where Algorithm 1 then cuts by SPS(B) alone: the load benchmark compares
+    policies by name, everything else lets such a drafter verify every draft.
+    """
+    block_size = resolve_block_size(block_size, drafter_limit=drafter.max_block_size, scheduler=scheduler)
+    chosen = scheduler if as_named else scheduler_for(scheduler, drafter, block_size)
+    if sps is None:
+        sps = step_rates(loaded, chosen, block_size, max_concurrency)
+    backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=max_concurrency)
+    return Engine(backend, drafter, block_size=block_size, scheduler=chosen, sps=sps, max_concurrency=max_concurrency,
+                  prefill_chunk=prefill_chunk, max_context=max_context)
