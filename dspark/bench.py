@@ -23,6 +23,7 @@ from dspark.target import Target
 from dspark.text import eos_token_ids, prompt_ids
 
 
+# duplicates: same shape as stats.EngineStats and the other counter dataclasses, different fields — kept apart
 @dataclass
 class MethodTally:
     tokens: int = 0

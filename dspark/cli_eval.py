@@ -14,7 +14,7 @@ from dspark.errors import DsparkError
 from dspark.eval.datasets import load_dataset_prompts
 from dspark.eval.evaluate import ThresholdDrafter, evaluation_report
 from dspark.eval.rollout import run_rollouts
-from dspark.train.heldout import add_heldout_args, corpus_rollouts
+from dspark.train.heldout import add_prompt_args, corpus_rollouts
 
 
 def write_plots(report: dict, plot_dir: str | Path) -> list[str]:
@@ -33,6 +33,8 @@ def write_plots(report: dict, plot_dir: str | Path) -> list[str]:
     ]
 
 
+# duplicates: same shape as `dspark calibrate`'s parser (train/calibrate.py); their shared flags are
+# `add_prompt_args`, the rest differ per command — kept apart on purpose
 def add_eval_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "eval", help="acceptance length τ and per-position acceptance of a drafter on prompt sets",
@@ -42,11 +44,9 @@ def add_eval_parser(subparsers) -> None:
     )
     parser.add_argument("--target", default="default", help="as for `dspark generate`")
     parser.add_argument("--drafter", default="default", help="none | ngram | default | PATH to a drafter checkpoint")
-    parser.add_argument("--dataset", action="append", default=[],
-                        help="JSONL with 'turns' or 'messages' per line; the file name picks the domain (repeatable)")
-    add_heldout_args(parser)
-    parser.add_argument("--num-prompts", type=int, default=10, help="prompts taken from each dataset")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    add_prompt_args(parser, num_prompts=10,
+                    dataset_help="JSONL with 'turns' or 'messages' per line; the file name picks the domain "
+                                 "(repeatable)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--block-size", type=int, default=None,
                         help="most drafts verified per round (γ); default: the drafter's own, can only shrink it")

@@ -4,8 +4,10 @@ matplotlib is imported only when a plot is asked for, so evaluation without plot
 """
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from dspark.errors import DsparkError
 from dspark.eval.metrics import reliability_bins
@@ -32,6 +34,30 @@ def save_figure(fig, path: str | Path) -> Path:
     return path
 
 
+@contextmanager
+def new_figure(path: str | Path, figsize: tuple[float, float] = (5.5, 3.5)) -> Iterator[tuple[Any, Any]]:
+    """(fig, ax) of a new one-axes figure to draw on; written to `path` (`save_figure`) and closed after."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=figsize)
+    try:
+        yield fig, ax
+        save_figure(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def _label_and_save(plt, fig, ax, path: str | Path, *, xlabel: str, ylabel: str, title: str) -> Path:
+    """Label `ax`, add its legend, write `fig` to `path` and close it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    try:
+        return save_figure(fig, path)
+    finally:
+        plt.close(fig)
+
+
 def plot_position_acceptance(rates: Mapping[str, Sequence[float | None]], path: str | Path) -> Path:
     """Grouped bars: conditional acceptance per draft position (paper Fig. 2), one group per series."""
     plt = pyplot()
@@ -43,14 +69,8 @@ def plot_position_acceptance(rates: Mapping[str, Sequence[float | None]], path: 
         ax.bar(xs, [0.0 if r is None else r for r in series], width=width, label=name)
     ax.set_xticks(range(1, length + 1))
     ax.set_ylim(0, 1)
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("P(accept k | 1..k-1 accepted)")
-    ax.set_title("Per-position conditional acceptance")
-    ax.legend(fontsize=8)
-    try:
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
+    return _label_and_save(plt, fig, ax, path, xlabel="draft position k", ylabel="P(accept k | 1..k-1 accepted)",
+                           title="Per-position conditional acceptance")
 
 
 def plot_lines(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], path: str | Path, *, xlabel: str,
@@ -62,14 +82,7 @@ def plot_lines(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], pa
         ax.plot(xs, ys, marker="o", label=name)
     if log2_x:
         ax.set_xscale("log", base=2)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    try:
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
+    return _label_and_save(plt, fig, ax, path, xlabel=xlabel, ylabel=ylabel, title=title)
 
 
 def plot_accepted_histogram(histograms: Mapping[str, Sequence[int]], path: str | Path) -> Path:
@@ -80,14 +93,8 @@ def plot_accepted_histogram(histograms: Mapping[str, Sequence[int]], path: str |
         total = sum(counts) or 1
         ax.plot(range(len(counts)), [c / total for c in counts], marker="o", label=name)
     ax.set_xticks(range(max((len(c) for c in histograms.values()), default=1)))
-    ax.set_xlabel("accepted drafts per round")
-    ax.set_ylabel("fraction of rounds")
-    ax.set_title("Accepted-length histogram")
-    ax.legend(fontsize=8)
-    try:
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
+    return _label_and_save(plt, fig, ax, path, xlabel="accepted drafts per round", ylabel="fraction of rounds",
+                           title="Accepted-length histogram")
 
 
 def plot_reliability(

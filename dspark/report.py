@@ -23,7 +23,7 @@ from dspark.cli_args import add_dtype_arg
 from dspark.errors import DsparkError
 from dspark.eval.datasets import load_dataset_prompts
 from dspark.eval.evaluate import evaluation_report, threshold_sweep, verify_length_sweep
-from dspark.eval.rollout import RoundRecord, run_rollouts
+from dspark.eval.rollout import RoundRecord, all_rounds, run_rollouts
 
 DEFAULT_DATASETS = ("math500", "humaneval", "mbpp", "mt-bench")
 
@@ -86,7 +86,7 @@ def acceptance_section(loaded, drafters: dict, prompts, args) -> dict:
             rollouts = run_rollouts(loaded, drafter, prompts, max_new_tokens=args.max_new_tokens,
                                     sampling=SamplingParams(temperature), block_size=gamma, seed=args.seed)
             report = evaluation_report(rollouts, gamma)
-            report["rounds"] = [r for rollout in rollouts for r in rollout.rounds]
+            report["rounds"] = all_rounds(rollouts)
             report["seconds"] = round(time.perf_counter() - started, 1)
             results[f"{name}@T={temperature:g}"] = report
             print(f"[report] {name} T={temperature:g}: tau {report['tau']:.3f} ({report['seconds']} s)",
@@ -238,49 +238,42 @@ DISCUSSION = (
 
 
 def plot_sweeps(data: dict, plot_dir: Path) -> None:
-    from dspark.plots import plot_position_acceptance, pyplot, save_figure
+    from dspark.plots import new_figure, plot_position_acceptance
 
     plot_position_acceptance({n: r["position_acceptance"] for n, r in data["acceptance"].items()},
                              plot_dir / "position_acceptance.png")
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    sweep = data["verify_length_sweep"]
-    lengths = [r["verify_length"] for r in sweep]
-    ax.plot(lengths, [r["tau"] or 0.0 for r in sweep], marker="o", label="τ")
-    ax.set_xlabel("drafts verified per round ℓ")
-    ax.set_ylabel("τ")
-    twin = ax.twinx()
-    twin.plot(lengths, [data["latency"][str(n)] / data["latency"]["verify"] for n in lengths], marker="s",
-              color="tab:red", label="draft / verify time")
-    twin.set_ylabel("draft time / verify time")
-    fig.legend(loc="upper left", fontsize=8)
-    save_figure(fig, plot_dir / "verify_length.png")
-    plt.close(fig)
-    if data.get("block_sizes"):
-        fig, ax = plt.subplots(figsize=(5.5, 3.5))
-        rows = data["block_sizes"]
-        sizes = [r["block_size"] for r in rows]
-        ax.plot(sizes, [r["draft_ms"] for r in rows], marker="o", label="draft (γ tokens)")
-        ax.plot(sizes, [r["verify_ms"] for r in rows], marker="s", label="verify (γ + 1 tokens)")
-        ax.set_xlabel("block size γ")
-        ax.set_ylabel("ms")
-        ax.legend(fontsize=8)
-        save_figure(fig, plot_dir / "block_size_latency.png")
-        plt.close(fig)
-    if data.get("thresholds"):
-        fig, ax = plt.subplots(figsize=(5.5, 3.5))
-        rows = data["thresholds"]
-        ts = [r["threshold"] for r in rows]
-        ax.plot(ts, [r["tokens_per_round"] or 0.0 for r in rows], marker="o", label="tokens / round")
-        ax.plot(ts, [r["verified_per_round"] for r in rows], marker="s", label="verified / round")
-        ax.set_xlabel("threshold t")
+    with new_figure(plot_dir / "verify_length.png") as (fig, ax):
+        sweep = data["verify_length_sweep"]
+        lengths = [r["verify_length"] for r in sweep]
+        ax.plot(lengths, [r["tau"] or 0.0 for r in sweep], marker="o", label="τ")
+        ax.set_xlabel("drafts verified per round ℓ")
+        ax.set_ylabel("τ")
         twin = ax.twinx()
-        twin.plot(ts, [r["acceptance_rate"] or 0.0 for r in rows], marker="^", color="tab:green",
-                  label="acceptance rate")
-        twin.set_ylim(0, 1)
-        fig.legend(loc="upper right", fontsize=8)
-        save_figure(fig, plot_dir / "threshold_sweep.png")
-        plt.close(fig)
+        twin.plot(lengths, [data["latency"][str(n)] / data["latency"]["verify"] for n in lengths], marker="s",
+                  color="tab:red", label="draft / verify time")
+        twin.set_ylabel("draft time / verify time")
+        fig.legend(loc="upper left", fontsize=8)
+    if data.get("block_sizes"):
+        with new_figure(plot_dir / "block_size_latency.png") as (fig, ax):
+            rows = data["block_sizes"]
+            sizes = [r["block_size"] for r in rows]
+            ax.plot(sizes, [r["draft_ms"] for r in rows], marker="o", label="draft (γ tokens)")
+            ax.plot(sizes, [r["verify_ms"] for r in rows], marker="s", label="verify (γ + 1 tokens)")
+            ax.set_xlabel("block size γ")
+            ax.set_ylabel("ms")
+            ax.legend(fontsize=8)
+    if data.get("thresholds"):
+        with new_figure(plot_dir / "threshold_sweep.png") as (fig, ax):
+            rows = data["thresholds"]
+            ts = [r["threshold"] for r in rows]
+            ax.plot(ts, [r["tokens_per_round"] or 0.0 for r in rows], marker="o", label="tokens / round")
+            ax.plot(ts, [r["verified_per_round"] for r in rows], marker="s", label="verified / round")
+            ax.set_xlabel("threshold t")
+            twin = ax.twinx()
+            twin.plot(ts, [r["acceptance_rate"] or 0.0 for r in rows], marker="^", color="tab:green",
+                      label="acceptance rate")
+            twin.set_ylim(0, 1)
+            fig.legend(loc="upper right", fontsize=8)
 
 
 # ------------------------------------------------------------------------------------ CLI
@@ -380,12 +373,17 @@ def _name_spec(text: str) -> tuple[str, str]:
     return name, spec
 
 
-def _depth_latency(target, max_layers: int, gamma: int) -> list[dict]:
+def _draft_bench(target, block_size: int, max_layers: int) -> dict:
+    """`dspark bench draft` of untrained DSpark drafters of 1..max_layers layers (rank 64, 9 repeats)."""
     from dspark.bench import run_draft_bench
 
-    bench_args = argparse.Namespace(target=target, dataset=None, block_size=gamma, max_layers=max_layers,
-                                    markov_rank=64, repeats=9, dtype="auto", draft_dtype="auto")
-    report = run_draft_bench(bench_args)
+    return run_draft_bench(argparse.Namespace(target=target, dataset=None, block_size=block_size,
+                                              max_layers=max_layers, markov_rank=64, repeats=9, dtype="auto",
+                                              draft_dtype="auto"))
+
+
+def _depth_latency(target, max_layers: int, gamma: int) -> list[dict]:
+    report = _draft_bench(target, gamma, max_layers)
     return [{"layers": d, "draft_ms": report["drafters"][f"vanilla-{d}L"]["draft_ms"],
              "ratio": report["drafters"][f"vanilla-{d}L"]["ratio_to_verify"]} for d in range(1, max_layers + 1)]
 
@@ -393,13 +391,9 @@ def _depth_latency(target, max_layers: int, gamma: int) -> list[dict]:
 def _block_size_latency(target, block_sizes: list[int]) -> list[dict]:
     """Draft time of a full block of γ tokens (untrained 1-layer DSpark drafter, rank 64: latency does
     not depend on the weights) against one verification forward of γ + 1 tokens, per γ (Fig. 4)."""
-    from dspark.bench import run_draft_bench
-
     rows = []
     for gamma in block_sizes:
-        bench_args = argparse.Namespace(target=target, dataset=None, block_size=gamma, max_layers=1,
-                                        markov_rank=64, repeats=9, dtype="auto", draft_dtype="auto")
-        report = run_draft_bench(bench_args)
+        report = _draft_bench(target, gamma, max_layers=1)
         draft = report["drafters"]["vanilla-1L"]
         rows.append({"block_size": gamma, "draft_ms": draft["draft_ms"], "verify_ms": report["verify_ms"],
                      "ratio": draft["ratio_to_verify"]})

@@ -66,6 +66,8 @@ class GenerationStats:
         }
 
 
+# duplicates: counters, the same shape as each other and as the other counter dataclasses (bench.MethodTally,
+# peers.llamacpp.PeerTotals, feature_cache.BuildStats, regenerate.RegenerateStats): different fields — kept apart
 @dataclass
 class EngineStats:
     """Totals over the engine's life, for /metrics and the load benchmark."""

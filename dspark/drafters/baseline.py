@@ -1,5 +1,6 @@
 """What the EAGLE-3 and MTP baseline drafters share beyond their layers (`dspark.drafters.layers`): the
-draft layer config, the target's frozen embedding and LM head, checkpoint save/load and drafting helpers.
+draft layer config, the target's frozen embedding and LM head, checkpoint save/load, drafting helpers and
+the model and drafter bases (`BaselineModel`, `BaselineDrafter`) they build on.
 
 Their checkpoints are config.json (DeepSpec/vLLM style + a `dspark` field naming the drafter type) and
 model.safetensors with only the drafter's own weights; reading goes through `dspark.drafters.files`, as
@@ -9,31 +10,26 @@ for DSpark checkpoints, so shards and the shard-name checks work the same.
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from dspark.drafters.base import Drafter
 from dspark.drafters.files import CONFIG_FILE, WEIGHTS_FILE, read_config_json, read_weights
-from dspark.drafters.layers import target_layer_shape
+from dspark.drafters.layers import DraftShape, target_layer_shape
 from dspark.errors import DrafterLoadError
-from dspark.sampling import SamplingParams, sample
+from dspark.sampling import SamplingParams, probabilities, sample
 from dspark.target import Target
 
 # -- configuration -----------------------------------------------------------------------------
 
 
 @dataclass
-class DraftLayerConfig:
+class DraftLayerConfig(DraftShape):
     """Shape of a Llama-style draft layer at the target's hidden size."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     #: DeepSpec convention: id L = output of target layer L (0-based), -1 = embeddings; () = default.
@@ -167,6 +163,24 @@ def build_for_target(model_cls: type, config: DraftLayerConfig, target: Any,
     return model
 
 
+class BaselineModel(SharedHeadsMixin):
+    """Building a baseline model for a target, fresh or from a checkpoint of its `drafter_type`."""
+
+    config_cls: ClassVar[type[DraftLayerConfig]]
+    drafter_type: ClassVar[str]
+
+    @classmethod
+    def for_target(cls, target: Any, **overrides: Any) -> Self:
+        """A freshly initialised drafter shaped like the target (any config field can be overridden)."""
+        return build_for_target(cls, cls.config_cls.for_target(target, **overrides), target)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, target: Any) -> Self:
+        """Load a checkpoint for `target` (a `Target` or HF causal LM); DrafterLoadError if it does not fit."""
+        values, weights = read_checkpoint(directory, cls.drafter_type)
+        return build_for_target(cls, parse_config(cls.config_cls, values), target, weights)
+
+
 # -- drafting ----------------------------------------------------------------------------------
 
 
@@ -187,3 +201,42 @@ def checked_features(features: torch.Tensor | None, config: DraftLayerConfig, de
             f"(layers {config.target_layer_ids})"
         )
     return features.to(device)
+
+
+class BaselineDrafter(Drafter):
+    """Per-request drafting around a `BaselineModel` (`model_cls`): its config, shape and checkpoint I/O."""
+
+    model_cls: ClassVar[type[BaselineModel]]
+
+    def __init__(self, model: BaselineModel) -> None:
+        self.model = model.eval()
+        self.config = model.config
+        self.target_layer_ids = model.config.target_layer_ids
+        self.vocab_size = model.config.vocab_size
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, target: Any) -> Self:
+        return cls(cls.model_cls.from_pretrained(directory, target))
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        self.model.save_pretrained(directory)
+
+    def checked(self, features: torch.Tensor | None) -> torch.Tensor:
+        """`checked_features` against this drafter's config, on its device."""
+        return checked_features(features, self.config, self.model.device)
+
+    @staticmethod
+    def check_feature_count(num_features: int, context_length: int) -> None:
+        """RuntimeError unless the drafter holds features of every position before the anchor."""
+        if num_features != context_length - 1:
+            raise RuntimeError(
+                f"the drafter has features of {num_features} positions but the context before the anchor has "
+                f"{context_length - 1}: commit the features of every position that entered the target cache"
+            )
+
+    @staticmethod
+    def draw(logits: torch.Tensor, sampling: SamplingParams,
+             generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token, q): the processed distribution of `logits` and a token drawn from exactly it."""
+        probs = probabilities(logits, sampling)
+        return pick_token(probs, sampling, generator), probs

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from dspark.drafters.heads import HEAD_TYPES
-from dspark.drafters.layers import target_layer_shape
+from dspark.drafters.layers import DraftShape, target_layer_shape
 
 
 def default_target_layer_ids(num_target_layers: int, count: int = 5) -> tuple[int, ...]:
@@ -27,15 +27,9 @@ def default_target_layer_ids(num_target_layers: int, count: int = 5) -> tuple[in
 
 
 @dataclass
-class DSparkConfig:
+class DSparkConfig(DraftShape):
     """Drafter shape and options; field names follow DeepSpec's checkpoint config."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
     num_target_layers: int
     mask_token_id: int
     #: DeepSpec convention: id L = output of target layer L (0-based), -1 = embeddings; () = default.

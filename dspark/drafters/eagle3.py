@@ -19,24 +19,14 @@ config, target glue and checkpoint I/O shared with the MTP drafter in `dspark.dr
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from dspark.drafters.base import Draft, Drafter
-from dspark.drafters.baseline import (
-    DraftLayerConfig,
-    SharedHeadsMixin,
-    build_for_target,
-    checked_features,
-    parse_config,
-    pick_token,
-    read_checkpoint,
-    save_checkpoint,
-)
+from dspark.drafters.base import Draft
+from dspark.drafters.baseline import BaselineDrafter, BaselineModel, DraftLayerConfig, save_checkpoint
 from dspark.drafters.layers import Attend, DecoderLayer, KVCache, RMSNorm, TTTAttend, init_weights, shift_left
-from dspark.sampling import SamplingParams, probabilities
+from dspark.sampling import SamplingParams
 
 
 @dataclass
@@ -64,9 +54,11 @@ class Eagle3Layer(DecoderLayer):
         return self.block(x, hidden, positions, attend)
 
 
-class Eagle3Model(SharedHeadsMixin, nn.Module):
+class Eagle3Model(BaselineModel, nn.Module):
     """fc (F -> D), one midlayer, own final norm; the target's embedding and LM head.
     Parameter names follow the EAGLE-3 checkpoints (fc, midlayer.*, norm)."""
+
+    config_cls, drafter_type = Eagle3Config, "eagle3"
 
     def __init__(self, config: Eagle3Config, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
         super().__init__()
@@ -76,11 +68,6 @@ class Eagle3Model(SharedHeadsMixin, nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._shared = (embed_tokens, lm_head)
         init_weights(self)
-
-    @classmethod
-    def for_target(cls, target: Any, **overrides: Any) -> "Eagle3Model":
-        """A freshly initialised drafter shaped like the target (any config field can be overridden)."""
-        return build_for_target(cls, Eagle3Config.for_target(target, **overrides), target)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """fc([low; mid; high]) of target features (..., F)."""
@@ -113,12 +100,6 @@ class Eagle3Model(SharedHeadsMixin, nn.Module):
         extra = {"model_type": "llama", "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids}}
         save_checkpoint(self, directory, "Eagle3LlamaForCausalLM", "eagle3", extra)
 
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, target: Any) -> "Eagle3Model":
-        """Load a checkpoint for `target` (a `Target` or HF causal LM); DrafterLoadError if it does not fit."""
-        values, weights = read_checkpoint(directory, "eagle3")
-        return build_for_target(cls, parse_config(Eagle3Config, values), target, weights)
-
 
 @dataclass
 class Eagle3State:
@@ -130,33 +111,22 @@ class Eagle3State:
     hidden: torch.Tensor | None = None
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(BaselineDrafter):
+    model_cls = Eagle3Model
+
     def __init__(self, model: Eagle3Model) -> None:
-        self.model = model.eval()
-        self.config = model.config
-        self.target_layer_ids = model.config.target_layer_ids
-        self.vocab_size = model.config.vocab_size
+        super().__init__(model)
         self.max_block_size = None  # autoregressive: any length, though trained for num_speculative_tokens
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, target: Any) -> "Eagle3Drafter":
-        return cls(Eagle3Model.from_pretrained(directory, target))
-
-    def save_pretrained(self, directory: str | Path) -> None:
-        self.model.save_pretrained(directory)
 
     @torch.inference_mode()
     def start(self, prompt_ids: torch.Tensor, prompt_hidden: torch.Tensor | None) -> Eagle3State:
-        state = Eagle3State(KVCache(), self._checked(prompt_hidden)[:0])
+        state = Eagle3State(KVCache(), self.checked(prompt_hidden)[:0])
         self.commit(state, prompt_hidden)
         return state
 
     @torch.inference_mode()
     def commit(self, state: Eagle3State, committed_hidden: torch.Tensor | None) -> None:
-        state.features = torch.cat([state.features, self._checked(committed_hidden)])
-
-    def _checked(self, features: torch.Tensor | None) -> torch.Tensor:
-        return checked_features(features, self.config, self.model.device)
+        state.features = torch.cat([state.features, self.checked(committed_hidden)])
 
     @torch.inference_mode()
     def propose(self, state: Eagle3State, context: torch.Tensor, num_tokens: int, sampling: SamplingParams,
@@ -170,8 +140,8 @@ class Eagle3Drafter(Drafter):
             if j:
                 step_position = torch.tensor([position + j], device=hidden.device)
                 hidden = self.model.step(tokens[-1].view(1, 1), hidden, step_position, state.cache.attend)
-            probs = probabilities(self.model.logits(hidden)[0, -1], sampling)
-            tokens.append(pick_token(probs, sampling, generator))
+            token, probs = self.draw(self.model.logits(hidden)[0, -1], sampling, generator)
+            tokens.append(token)
             q.append(probs)
         state.cache.crop(committed)  # drop the draft steps' K/V
         return Draft(torch.stack(tokens), torch.stack(q))
@@ -181,11 +151,7 @@ class Eagle3Drafter(Drafter):
         next tokens (the last pair holds the anchor). Returns the output hidden (1, 1, D) of that pair."""
         start = state.cache.length
         end = start + state.features.shape[0]
-        if end != context.shape[0] - 1:
-            raise RuntimeError(
-                f"the drafter has features of {end} positions but the context before the anchor has "
-                f"{context.shape[0] - 1}: commit the features of every position that entered the target cache"
-            )
+        self.check_feature_count(end, context.shape[0])
         if end > start:
             tokens = context[start + 1 : end + 1].to(self.model.device)[None]
             positions = torch.arange(start, end, device=tokens.device)

@@ -2,6 +2,7 @@
 the attention / decoder layer / K/V cache that the EAGLE-3 and MTP baselines (and their training) share."""
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -53,6 +54,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass
+class DraftShape:
+    """The fields every drafter config starts with: its layers' width at the target's hidden size, and the
+    target's vocabulary (`DraftLayerConfig`, `DSparkConfig`)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
 
 
 def target_layer_shape(text_config: Any) -> dict:

@@ -15,24 +15,14 @@ function without ever recomputing the context.
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from dspark.drafters.base import Draft, Drafter
-from dspark.drafters.baseline import (
-    DraftLayerConfig,
-    SharedHeadsMixin,
-    build_for_target,
-    checked_features,
-    parse_config,
-    pick_token,
-    read_checkpoint,
-    save_checkpoint,
-)
+from dspark.drafters.base import Draft
+from dspark.drafters.baseline import BaselineDrafter, BaselineModel, DraftLayerConfig, save_checkpoint
 from dspark.drafters.layers import Attend, DecoderLayer, KVCache, RMSNorm, causal_attend, init_weights, shift_left
-from dspark.sampling import SamplingParams, probabilities
+from dspark.sampling import SamplingParams
 
 
 @dataclass
@@ -65,18 +55,15 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class MTPModel(SharedHeadsMixin, nn.Module):
+class MTPModel(BaselineModel, nn.Module):
+    config_cls, drafter_type = MTPConfig, "mtp"
+
     def __init__(self, config: MTPConfig, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(MTPModule(config) for _ in range(config.num_modules))
         self._shared = (embed_tokens, lm_head)
         init_weights(self)
-
-    @classmethod
-    def for_target(cls, target: Any, **overrides: Any) -> "MTPModel":
-        """A freshly initialised drafter shaped like the target (any config field can be overridden)."""
-        return build_for_target(cls, MTPConfig.for_target(target, **overrides), target)
 
     def module(self, depth: int) -> MTPModule:
         """Module of 0-based `depth`: the last one is reused beyond num_modules."""
@@ -109,12 +96,6 @@ class MTPModel(SharedHeadsMixin, nn.Module):
     def save_pretrained(self, directory: str | Path) -> None:
         save_checkpoint(self, directory, "DSparkMTPModel", "mtp", {"model_type": "dspark_mtp"})
 
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, target: Any) -> "MTPModel":
-        """Load a checkpoint for `target` (a `Target` or HF causal LM); DrafterLoadError if it does not fit."""
-        values, weights = read_checkpoint(directory, "mtp")
-        return build_for_target(cls, parse_config(MTPConfig, values), target, weights)
-
 
 @dataclass
 class MTPState:
@@ -126,30 +107,22 @@ class MTPState:
     inputs: list[torch.Tensor]
 
 
-class MTPDrafter(Drafter):
+class MTPDrafter(BaselineDrafter):
+    model_cls = MTPModel
+
     def __init__(self, model: MTPModel) -> None:
-        self.model = model.eval()
-        self.config = model.config
-        self.target_layer_ids = model.config.target_layer_ids
-        self.vocab_size = model.config.vocab_size
+        super().__init__(model)
         self.max_block_size = model.config.num_speculative_tokens
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, target: Any) -> "MTPDrafter":
-        return cls(MTPModel.from_pretrained(directory, target))
-
-    def save_pretrained(self, directory: str | Path) -> None:
-        self.model.save_pretrained(directory)
 
     @torch.inference_mode()
     def start(self, prompt_ids: torch.Tensor, prompt_hidden: torch.Tensor | None) -> MTPState:
-        features = checked_features(prompt_hidden, self.config, self.model.device)
+        features = self.checked(prompt_hidden)
         depths = self.config.num_speculative_tokens
         return MTPState([KVCache() for _ in range(depths)], [features] + [features[:0]] * (depths - 1))
 
     @torch.inference_mode()
     def commit(self, state: MTPState, committed_hidden: torch.Tensor | None) -> None:
-        features = checked_features(committed_hidden, self.config, self.model.device)
+        features = self.checked(committed_hidden)
         state.inputs[0] = torch.cat([state.inputs[0], features])
 
     @torch.inference_mode()
@@ -159,12 +132,7 @@ class MTPDrafter(Drafter):
         if num_tokens <= 0:
             return Draft.empty(self.model.device)
         length = context.shape[0]  # the anchor sits at length - 1; features cover positions < length - 1
-        if state.caches[0].length + state.inputs[0].shape[0] != length - 1:
-            raise RuntimeError(
-                f"the drafter has features of {state.caches[0].length + state.inputs[0].shape[0]} positions but "
-                f"the context before the anchor has {length - 1}: commit the features of every position that "
-                "entered the target cache"
-            )
+        self.check_feature_count(state.caches[0].length + state.inputs[0].shape[0], length)
         sequence = context.to(self.model.device)
         tokens, q, previous = [], [], None  # previous: depth d-1's outputs of this round
         for depth in range(len(state.caches)):
@@ -175,8 +143,8 @@ class MTPDrafter(Drafter):
                 positions = torch.arange(start, length - 1, device=sequence.device)
                 ids = sequence[start + depth + 1 : length + depth][None]
                 previous = self.model.step(depth, ids, hidden[None], positions, cache.attend)[0]
-                probs = probabilities(self.model.logits(depth, previous[-1]), sampling)
-                tokens.append(pick_token(probs, sampling, generator))
+                token, probs = self.draw(self.model.logits(depth, previous[-1]), sampling, generator)
+                tokens.append(token)
                 q.append(probs)
                 sequence = torch.cat([sequence, tokens[-1][None]])
                 cache.crop(max(start, length - 1 - depth))  # keep positions whose input token is committed

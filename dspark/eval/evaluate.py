@@ -26,7 +26,7 @@ from dspark.eval.metrics import (
     roc_auc,
     tau,
 )
-from dspark.eval.rollout import DrafterWrapper, PromptRollout, RoundRecord
+from dspark.eval.rollout import DrafterWrapper, PromptRollout, RoundRecord, all_rounds
 from dspark.scheduler import threshold_lengths
 
 #: benchmark (file stem, lower case, '_' read as '-') -> domain; any other dataset counts as chat.
@@ -83,11 +83,10 @@ def _pad(values: list, length: int, fill) -> list:
 def confidence_summary(rollouts: Sequence[PromptRollout], num_bins: int = 10) -> dict | None:
     """ECE / ROC-AUC of the (calibrated) a_k against 'drafts 1..k all accepted', pooled over positions."""
     predicted, outcomes = [], []
-    for rollout in rollouts:
-        for record in rollout.rounds:
-            if record.survival is not None:
-                predicted += record.survival
-                outcomes += record.cumulative_outcomes
+    for record in all_rounds(rollouts):
+        if record.survival is not None:
+            predicted += record.survival
+            outcomes += record.cumulative_outcomes
     if not predicted:
         return None
     return {"count": len(predicted), "ece": _round(expected_calibration_error(predicted, outcomes, num_bins)),
@@ -97,7 +96,7 @@ def confidence_summary(rollouts: Sequence[PromptRollout], num_bins: int = 10) ->
 
 def summarise(rollouts: Sequence[PromptRollout], block_size: int) -> dict:
     """Every metric of one group of rollouts (a dataset, a domain, or all)."""
-    rounds = [record for rollout in rollouts for record in rollout.rounds]
+    rounds = all_rounds(rollouts)
     drafted = [r.drafted for r in rounds]
     accepted = [r.accepted for r in rounds]
     length = max([block_size, *drafted])

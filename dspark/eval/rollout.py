@@ -195,17 +195,6 @@ def run_rollouts(
     ]
 
 
-def record_rounds(
-    loaded: LoadedTarget,
-    drafter: Drafter,
-    prompts: Sequence[tuple[str, str]],
-    *,
-    max_new_tokens: int,
-    sampling: SamplingParams,
-    block_size: int,
-    seed: int = 0,
-) -> list[RoundRecord]:
-    """Every round of every prompt's rollout, in order."""
-    rollouts = run_rollouts(loaded, drafter, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                            block_size=block_size, seed=seed)
+def all_rounds(rollouts: Sequence[PromptRollout]) -> list[RoundRecord]:
+    """Every round of every rollout, in order."""
     return [record for rollout in rollouts for record in rollout.rounds]

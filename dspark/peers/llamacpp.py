@@ -108,6 +108,7 @@ def comparable_tokens(completion: Completion, eos_token_ids: frozenset[int]) -> 
     return tokens
 
 
+# duplicates: same shape as stats.EngineStats and the other counter dataclasses, different fields — kept apart
 @dataclass
 class PeerTotals:
     """llama-server's own decode timings over a run (they exclude prefill and HTTP)."""

@@ -25,12 +25,20 @@ class CachedExample:
 
 
 @dataclass
-class CachedBatch:
+class Batch:
+    """A padded batch with its anchors, as `pad_and_anchor` makes it (the online pipeline's batch)."""
+
     input_ids: torch.Tensor  # (B, T) right-padded
     attention_mask: torch.Tensor  # (B, T)
     answer_mask: torch.Tensor  # (B, T) bool
     anchors: torch.Tensor  # (B, A)
-    keep: torch.Tensor  # (B, A)
+    keep: torch.Tensor  # (B, A) bool: real anchors (not padding)
+
+
+@dataclass
+class CachedBatch(Batch):
+    """A `Batch` with its context features and top-k teacher read from the feature cache."""
+
     features: torch.Tensor  # (B, T, F) bfloat16, zero on padding
     teacher: TopKTeacher  # at the teacher positions of every block, (B, A, γ, k)
 

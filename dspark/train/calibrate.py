@@ -22,7 +22,7 @@ from dspark.calibration import (
 )
 from dspark.cli_args import add_dtype_arg
 from dspark.errors import DsparkError
-from dspark.train.heldout import add_heldout_args, corpus_rollouts
+from dspark.train.heldout import add_prompt_args, corpus_rollouts
 
 
 def add_calibrate_parser(subparsers) -> None:
@@ -34,11 +34,8 @@ def add_calibrate_parser(subparsers) -> None:
     )
     parser.add_argument("--target", default="default", help="as for `dspark generate`")
     parser.add_argument("--drafter", required=True, help="DSpark checkpoint directory (updated in place)")
-    parser.add_argument("--dataset", action="append", default=[],
-                        help="held-out prompts, JSONL with 'turns' or 'messages' per line (repeatable)")
-    add_heldout_args(parser)
-    parser.add_argument("--num-prompts", type=int, default=20, help="prompts taken from each dataset")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    add_prompt_args(parser, num_prompts=20,
+                    dataset_help="held-out prompts, JSONL with 'turns' or 'messages' per line (repeatable)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature of the rollouts (0 = greedy); calibrate at the one you serve")
     parser.add_argument("--seed", type=int, default=0)
@@ -66,7 +63,7 @@ def run_calibrate(args: argparse.Namespace) -> dict:
     from dspark.drafters.dspark_drafter import DSparkDrafter
     from dspark.eval.datasets import dataset_name, load_prompts
     from dspark.eval.evaluate import EVAL_BENCHMARKS
-    from dspark.eval.rollout import record_rounds
+    from dspark.eval.rollout import all_rounds, run_rollouts
     from dspark.loading import dtype_name, load_target
     from dspark.sampling import SamplingParams
 
@@ -85,11 +82,11 @@ def run_calibrate(args: argparse.Namespace) -> dict:
         raise DsparkError(f"{args.drafter} is not a DSpark checkpoint with a confidence head: nothing to calibrate")
     gamma = drafter.config.block_size
     num_prompts = len(prompts)
-    records = record_rounds(loaded, drafter, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                            block_size=gamma, seed=args.seed)
+    records = all_rounds(run_rollouts(loaded, drafter, prompts, max_new_tokens=args.max_new_tokens,
+                                      sampling=sampling, block_size=gamma, seed=args.seed))
     if args.corpus:  # prompts the training run never saw, as their exact token ids
         rollouts = corpus_rollouts(loaded, drafter, args, sampling, gamma)
-        records += [record for rollout in rollouts for record in rollout.rounds]
+        records += all_rounds(rollouts)
         num_prompts += len(rollouts)
     logits, outcomes = calibration_arrays(records, gamma)
     if not len(logits):

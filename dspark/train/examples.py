@@ -1,7 +1,7 @@
 """Training examples from JSONL conversations, and the seeded order and padded batches of the online pipeline.
 
 A global batch is a function of (seed, step) alone, so a resumed run replays the same data; the feature-cache
-pipeline (`train.cached_data`) shares the padding and anchor sampling (`pad_and_anchor`).
+pipeline (`train.cached_data`) shares the padding and anchor sampling (`pad_and_anchor`) and `Batch`.
 """
 
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from dspark.errors import DsparkError
-from dspark.train.cached_data import pad_and_anchor
+from dspark.train.cached_data import Batch, pad_and_anchor
 
 
 @dataclass
@@ -43,6 +43,7 @@ def tokenize_conversation(messages: list[dict], tokenizer, finished: bool = True
     return prompt, answer
 
 
+# duplicates: same JSONL loop as eval.datasets.load_prompts, with its own records and error messages — kept apart
 def load_examples(path: str | Path, tokenizer, seq_len: int) -> list[Example]:
     """JSONL of {"messages": [...]} (needs the tokenizer) or pre-tokenised {"prompt_ids", "answer_ids"};
     sequences are cut to seq_len and dropped when fewer than 2 answer tokens remain."""
@@ -84,15 +85,6 @@ def batch_indices(num_train: int, batch_size: int, step: int, seed: int) -> list
     if num_train < batch_size:
         order = (order * math.ceil(batch_size / num_train))[:batch_size]
     return order[index * batch_size : (index + 1) * batch_size]
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # (B, T) right-padded
-    attention_mask: torch.Tensor  # (B, T)
-    answer_mask: torch.Tensor  # (B, T) bool
-    anchors: torch.Tensor  # (B, A)
-    keep: torch.Tensor  # (B, A) bool: real anchors (not padding)
 
 
 def make_batch(examples: list[Example], seeds: list[int], num_anchors: int, pad_id: int,

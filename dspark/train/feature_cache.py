@@ -220,6 +220,8 @@ def stale_fields(manifest: dict, key: CacheKey) -> list[str]:
     return [name for name, value in key.to_dict().items() if saved.get(name) != value]
 
 
+# duplicates: the same shape as regenerate.RegenerateStats (counters + a tokens/s property), other fields:
+# kept apart on purpose, each job reports its own
 @dataclass
 class BuildStats:
     shards_before: int = 0

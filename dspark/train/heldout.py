@@ -26,6 +26,15 @@ def add_heldout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-len", type=int, default=1024, help="the feature cache's max_len")
 
 
+def add_prompt_args(parser: argparse.ArgumentParser, *, dataset_help: str, num_prompts: int) -> None:
+    """The prompts a rollout command rolls out and how far: --dataset (repeatable), the held-out corpus
+    prompts (`add_heldout_args`), --num-prompts per dataset and --max-new-tokens."""
+    parser.add_argument("--dataset", action="append", default=[], help=dataset_help)
+    add_heldout_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=num_prompts, help="prompts taken from each dataset")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+
+
 def corpus_rollouts(loaded, drafter, args: argparse.Namespace, sampling, block_size: int) -> list[PromptRollout]:
     """Rollouts of the first `args.num_prompts` held-out corpus prompts, as dataset 'heldout'."""
     corpus = load_corpus(args.corpus)

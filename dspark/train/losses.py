@@ -71,10 +71,7 @@ def block_loss(
 ) -> LossOutput:
     """Loss over blocks. logits / target_logits (..., γ, V), labels / valid (..., γ), confidence_logits
     (..., γ) or None. `normalizer` replaces the local Σw (data parallel: the global Σw / world size)."""
-    w = position_weights(logits.shape[-2], decay, logits.device) * valid.float()
-    weight_sum = w.sum()
-    norm = weight_sum.clamp_min(1e-6) if normalizer is None else normalizer
-
+    w, weight_sum, norm = _weighting(logits, valid, decay, normalizer)
     log_q = F.log_softmax(logits.float(), -1)
     ce = -log_q.gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1)
     ce_term = (ce * w).sum() / norm
@@ -83,6 +80,15 @@ def block_loss(
     p = F.softmax(target_logits.float(), -1)
     l1 = l1_distance(q, p)
     return _combine(ce_term, l1, w, norm, weight_sum, confidence_logits, weights)
+
+
+def _weighting(logits: torch.Tensor, valid: torch.Tensor, decay: float,
+               normalizer: torch.Tensor | float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]:
+    """(w, Σw, normaliser): the position weights of the valid positions of (..., γ, V) logits, their sum,
+    and what every term is divided by (`normalizer`, else the local Σw)."""
+    w = position_weights(logits.shape[-2], decay, logits.device) * valid.float()
+    weight_sum = w.sum()
+    return w, weight_sum, weight_sum.clamp_min(1e-6) if normalizer is None else normalizer
 
 
 def _combine(ce_term: torch.Tensor, l1: torch.Tensor, w: torch.Tensor, norm, weight_sum: torch.Tensor,
@@ -151,6 +157,7 @@ def topk_l1_distance(log_q: torch.Tensor, teacher: TopKTeacher, target_to_draft:
     return (q_top - p_top).abs().sum(-1) + (q_tail - p_tail).abs()
 
 
+# duplicates: the same parameters as block_loss on purpose (a drop-in for it with a cached teacher)
 def topk_block_loss(
     logits: torch.Tensor,
     teacher: TopKTeacher,
@@ -166,10 +173,7 @@ def topk_block_loss(
     needs one log-softmax over its own (possibly reduced) vocabulary, the teacher side none.
     logits (..., γ, V_d); labels (..., γ) target ids (a label outside the draft vocabulary adds no CE:
     the draft cannot name it; its mass still counts against q in the L1 term)."""
-    w = position_weights(logits.shape[-2], decay, logits.device) * valid.float()
-    weight_sum = w.sum()
-    norm = weight_sum.clamp_min(1e-6) if normalizer is None else normalizer
-
+    w, weight_sum, norm = _weighting(logits, valid, decay, normalizer)
     log_q = F.log_softmax(logits.float(), -1)
     draft_labels = labels if target_to_draft is None else target_to_draft[labels.clamp_min(0)]
     nameable = draft_labels >= 0
