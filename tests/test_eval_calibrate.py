@@ -433,3 +433,22 @@ def test_speed_bench_refuses_two_drafters_with_one_name(tiny_dirs, capsys):
     assert main(["bench", "speed", "--target", str(tiny_dirs / "target"), "--dataset", str(tiny_dirs / "mbpp.jsonl"),
                  "--drafter", drafter, "--drafter", drafter]) == 2
     assert "both named" in capsys.readouterr().err
+
+
+def test_report_render_names_the_target_and_derives_its_discussion_from_the_numbers():
+    """docs/RESULTS.md is rendered from the run's JSON alone: the title is the run's target and the
+    discussion's figures are this run's, so neither goes stale when the drafter changes."""
+    from dspark.report import discussion, render
+
+    acceptance = {"dspark@T=0": {"tau": 2.345, "position_acceptance": [0.61, 0.5], "datasets": {}, "domains": {},
+                                 "acceptance_rate": 0.5, "draft_ms_per_round": 3.0, "verify_ms_per_round": 20.0}}
+    data = {"command": "dspark report", "target": "Tiny-7M", "args": {"num_prompts": 1, "max_new_tokens": 8,
+            "seed": 0, "datasets": []}, "acceptance": acceptance, "sweep_drafter": "dspark@T=0",
+            "environment": {k: "x" for k in ("date", "commit", "cpu_count", "machine", "processor", "torch",
+                                              "torch_threads", "transformers", "python")},
+            "verify_length_sweep": [], "latency": {"verify": 20.0, "1": 2.0, "2": 5.0}}
+    data["discussion"] = discussion(data)
+    assert "τ 2.35" in data["discussion"] and "0.61" in data["discussion"] and "0.25×" in data["discussion"]
+    page = render(data)
+    assert page.startswith("# DSpark on Tiny-7M: results") and data["discussion"] in page
+    assert "SmolLM2" not in page
