@@ -348,9 +348,24 @@ def test_cached_training_with_a_reduced_draft_vocabulary(cached_run):
 
 
 def test_heldout_samples_are_the_ones_training_holds_out(built):
-    from dspark.train.cached_data import heldout_samples, split_heldout
+    from dspark.train.cached_data import heldout_samples, split_by_id
 
     root, model, corpus, key = built
     examples = cached_examples(corpus, FeatureCache.open(root / "cache", key))
-    _, eval_ids = split_heldout(len(examples), 0.25, 3)
-    assert heldout_samples(corpus, key.max_len, 0.25, 3) == [examples[i].index for i in eval_ids]
+    _, eval_ids = split_by_id([e.sample_id for e in examples], 0.25, 3)
+    assert eval_ids and heldout_samples(corpus, key.max_len, 0.25, 3) == [examples[i].index for i in eval_ids]
+
+
+def test_the_heldout_split_survives_corpus_growth():
+    """A sample keeps its side when the corpus grows, so a drafter continued on the grown corpus is never
+    evaluated on answers it trained on; the fraction is met on average, and both sides are never empty."""
+    from dspark.train.cached_data import split_by_id
+
+    small = [f"sharegpt/{i}" for i in range(300)]
+    grown = small + [f"code/{i}" for i in range(2700)]
+    _, held_small = split_by_id(small, 0.05, 0)
+    _, held_grown = split_by_id(grown, 0.05, 0)
+    assert [i for i in held_grown if i < len(small)] == held_small
+    assert 0.03 < len(held_grown) / len(grown) < 0.07
+    assert split_by_id(["a", "b"], 0.0001, 0)[1] and split_by_id(["a", "b"], 0.9999, 0)[0]
+    assert split_by_id(small, 0.05, 1)[1] != held_small  # the seed matters

@@ -6,7 +6,9 @@ Samples are the corpus samples cut to the cache's `max_len`; anchors, labels and
 chosen exactly as in the online path (`anchors.py`), so the two pipelines train the same function.
 """
 
+import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +24,7 @@ class CachedExample:
     index: int  # corpus / cache sample
     input_ids: list[int]
     answer_start: int
+    sample_id: str = ""  # the corpus sample id: what the held-out split is keyed by
 
 
 @dataclass
@@ -55,7 +58,7 @@ def cached_examples(corpus, cache: FeatureCache) -> list[CachedExample]:
         prompt = int(corpus.prompt_lengths[index])
         if length - prompt >= 2:
             ids = corpus.tokens[start : start + length].astype(np.int64).tolist()
-            examples.append(CachedExample(index, ids, prompt))
+            examples.append(CachedExample(index, ids, prompt, corpus.ids[index]))
     return examples
 
 
@@ -131,10 +134,25 @@ def split_heldout(count: int, fraction: float, seed: int) -> tuple[list[int], li
     return sorted(order[num_eval:]), sorted(order[:num_eval])
 
 
+def split_by_id(sample_ids: Sequence[str], fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train indices, held-out indices) decided per sample by a seeded hash of its id, so a corpus that
+    grows never moves a sample from one side to the other (a randperm over the count would, and a drafter
+    continued on the grown corpus would then be evaluated on answers it trained on). At least one sample on
+    each side when there are two or more."""
+    keys = [int.from_bytes(hashlib.blake2b(f"{seed}\0{i}".encode(), digest_size=8).digest(), "big") / 2**64
+            for i in sample_ids]
+    held = [k < fraction for k in keys]
+    if len(keys) >= 2 and fraction > 0 and not any(held):
+        held[min(range(len(keys)), key=keys.__getitem__)] = True
+    if all(held) and keys:
+        held[max(range(len(keys)), key=keys.__getitem__)] = False
+    return [i for i, h in enumerate(held) if not h], [i for i, h in enumerate(held) if h]
+
+
 def heldout_samples(corpus, max_len: int, fraction: float, seed: int) -> list[int]:
     """Corpus indices of the samples `dspark train` holds out with this fraction and seed (the same
     filter as `cached_examples`, the same split), so evaluation can roll out exactly those prompts."""
     lengths = np.minimum(np.diff(corpus.offsets), max_len) - corpus.prompt_lengths
     usable = np.flatnonzero(lengths >= 2)
-    _, heldout = split_heldout(len(usable), fraction, seed)
+    _, heldout = split_by_id([corpus.ids[i] for i in usable], fraction, seed)
     return [int(usable[i]) for i in heldout]

@@ -31,6 +31,7 @@ from dspark.train.cached_data import (
     CachedExample,
     cached_examples,
     make_cached_batch,
+    split_by_id,
     split_heldout,
     token_counts,
 )
@@ -287,7 +288,10 @@ def train(config: TrainConfig, resume: str | Path | None = None,
     else:
         run.features = TargetFeatures(target.model, layer_ids)
         all_examples = load_examples(config.data, tokenizer, config.seq_len)
-    train_ids, eval_ids = split_heldout(len(all_examples), config.heldout_fraction, config.seed)
+    if config.feature_cache:  # corpus samples have ids: a split that a growing corpus keeps
+        train_ids, eval_ids = split_by_id([e.sample_id for e in all_examples], config.heldout_fraction, config.seed)
+    else:
+        train_ids, eval_ids = split_heldout(len(all_examples), config.heldout_fraction, config.seed)
     train_set = [all_examples[i] for i in train_ids]
     eval_set = [all_examples[i] for i in eval_ids]
 
