@@ -346,8 +346,8 @@ def test_eval_and_calibrate_roll_out_the_prompts_training_held_out(tiny_dirs, ti
     from dspark.train.cached_data import heldout_samples
 
     corpus, path = tiny_corpus
-    expected = heldout_samples(corpus, 1024, 0.3, 5)
-    assert len(expected) == 3
+    expected = heldout_samples(corpus, 1024, 0.5, 5)
+    assert len(expected) >= 2
     seen = []
     real = rollout.rollout_prompt
 
@@ -356,7 +356,7 @@ def test_eval_and_calibrate_roll_out_the_prompts_training_held_out(tiny_dirs, ti
         return real(loaded, drafter, ids, **kwargs)
 
     monkeypatch.setattr(heldout, "rollout_prompt", recording)
-    common = ["--target", tiny_dirs / "target", "--corpus", path, "--heldout-fraction", 0.3, "--split-seed", 5,
+    common = ["--target", tiny_dirs / "target", "--corpus", path, "--heldout-fraction", 0.5, "--split-seed", 5,
               "--num-prompts", 10, "--max-new-tokens", 8, "--json"]
     report = run_cli(capsys, "eval", "--drafter", tiny_dirs / "drafter", *common)
     assert seen == [corpus.prompt_ids(i).tolist() for i in expected]
@@ -365,7 +365,7 @@ def test_eval_and_calibrate_roll_out_the_prompts_training_held_out(tiny_dirs, ti
     drafter = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
     result = run_cli(capsys, "calibrate", "--drafter", drafter, *common, "--min-rounds", 1, "--dry-run")
     assert seen == [corpus.prompt_ids(i).tolist() for i in expected]
-    assert result["num_prompts"] == 3 and result["num_rounds"] > 0 and result["corpus"] == str(path)
+    assert result["num_prompts"] == len(expected) and result["num_rounds"] > 0 and result["corpus"] == str(path)
     assert main(["calibrate", "--target", str(tiny_dirs / "target"), "--drafter", str(drafter)]) == 2
     assert "--corpus" in capsys.readouterr().err
 
