@@ -358,11 +358,13 @@ def test_missing_or_corrupt_files_refused(target, tmp_path):
         load_dspark(tmp_path / "wrong", target)
 
 
+@pytest.mark.parametrize("last_context", [False, True], ids=["attention-only", "last-context-input"])
 @pytest.mark.parametrize("draft_ids", [None, DRAFT_IDS], ids=["full-vocab", "draft-vocab"])
 @pytest.mark.parametrize("block_size", [1, 4, 7, 16])
-def test_greedy_speculative_decoding_matches_hf_generate(target, block_size, draft_ids):
+def test_greedy_speculative_decoding_matches_hf_generate(target, block_size, draft_ids, last_context):
     """A random drafter (mostly rejected) must not change greedy output by a single token."""
-    drafter = DSparkDrafter(make_model(target, "rnn", block_size=block_size, draft_ids=draft_ids))
+    drafter = DSparkDrafter(make_model(target, "rnn", block_size=block_size, draft_ids=draft_ids,
+                                       last_context_input=last_context))
     torch.manual_seed(6)
     prompt = torch.randint(3, VOCAB, (7,))
     eos = target.generation_config.eos_token_id

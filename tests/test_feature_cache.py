@@ -330,6 +330,17 @@ def test_bench_train_reports_both_pipelines(cached_run):
     assert result["supervised_per_step"] > 0 and result["draft_vocab_coverage"] is None
 
 
+def test_cached_training_with_the_last_context_input(cached_run):
+    """The projection starts at zero (step 0 is the plain drafter), is trained, and is saved with its flag."""
+    from dspark.drafters.checkpoint import load_model
+
+    result = train(cached_config(cached_run, "fused", last_context_input=True, max_steps=3, save_every=3,
+                                 eval_every=3))
+    assert result["eval_tau_greedy"] >= 1.0
+    model = load_model(cached_run / "fused" / "final", dtype=torch.float32)
+    assert model.config.last_context_input and model.last_context_proj.weight.abs().sum() > 0
+
+
 def test_cached_training_with_a_reduced_draft_vocabulary(cached_run):
     """The draft vocabulary is the most frequent answer tokens; the checkpoint carries it and loads
     for inference with the same subset."""
