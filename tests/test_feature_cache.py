@@ -324,8 +324,11 @@ def test_bench_train_reports_both_pipelines(cached_run):
 
     config = cached_config(cached_run, "bench", batch_size=2)
     result = bench_train(config, load_corpus(cached_run / "corpus.safetensors"),
-                         load_target(str(cached_run / "target")), samples=4, steps=1, top_k=8, max_len=32)
+                         load_target(str(cached_run / "target")), samples=4, steps=1, top_k=8, max_len=32,
+                         profile=3)
     assert result["online_tokens_per_s"] > 0 and result["cached_tokens_per_s"] > 0
+    shares = [row["share"] for row in result["profile"]]
+    assert len(shares) == 3 and shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1
     assert result["speedup"] == pytest.approx(result["cached_tokens_per_s"] / result["online_tokens_per_s"], rel=0.05)
     assert result["supervised_per_step"] > 0 and result["draft_vocab_coverage"] is None
 

@@ -42,8 +42,9 @@ def _pipeline(config: TrainConfig, target) -> tuple[torch.nn.Module, torch.nn.Mo
 
 
 def bench_train(config: TrainConfig, corpus, target, *, samples: int = 8, steps: int = 3, warmup: int = 1,
-                top_k: int = 32, max_len: int = 1024) -> dict:
-    """Time `steps` training steps (after `warmup`) of both pipelines on the first `samples` corpus samples."""
+                top_k: int = 32, max_len: int = 1024, profile: int = 0) -> dict:
+    """Time `steps` training steps (after `warmup`) of both pipelines on the first `samples` corpus samples;
+    with `profile` > 0 also the costliest operators of one more cached step."""
     subset = corpus.select(list(range(min(samples, corpus.num_samples))))
     online_config = dataclasses.replace(config, feature_cache=None, draft_vocab_size=None)
     online_probe = _pipeline(online_config, target)
@@ -91,6 +92,7 @@ def bench_train(config: TrainConfig, corpus, target, *, samples: int = 8, steps:
                 if step >= warmup:
                     timings[name][0] += elapsed
                     timings[name][1] += int(valid.sum())
+        top_ops = profile_step(cached_run, cached, cached_set[:batch_size], seeds, profile) if profile else None
     online_rate = timings["online"][1] / timings["online"][0]
     cached_rate = timings["cached"][1] / timings["cached"][0]
     return {
@@ -100,7 +102,24 @@ def bench_train(config: TrainConfig, corpus, target, *, samples: int = 8, steps:
         "draft_vocab_size": config.draft_vocab_size, "draft_vocab_coverage": coverage,
         "cache_tokens_per_s": round(int(subset.tokens.shape[0]) / cache_seconds, 1),
         "threads": torch.get_num_threads(), "target_dtype": str(target.model.dtype).removeprefix("torch."),
+        **({"profile": top_ops} if top_ops is not None else {}),
     }
+
+
+def profile_step(run: Run, pipeline, examples: list, seeds: list[int], top: int) -> list[dict]:
+    """The `top` operators of one cached training step by self CPU time (torch.profiler), with their share
+    of the step: where the time goes when the speedup falls short."""
+    from torch.profiler import ProfilerActivity, profile
+
+    drafter, module, optimizer = pipeline
+    batch = step_batch_from_seeds(run, examples, seeds)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train_step(run, batch, module, drafter, optimizer)
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [{"op": e.key, "calls": e.count, "self_ms": round(e.self_cpu_time_total / 1000, 2),
+             "share": round(e.self_cpu_time_total / total, 3)} for e in events[:top]]
 
 
 def add_bench_train_parser(bench) -> None:
@@ -110,6 +129,8 @@ def add_bench_train_parser(bench) -> None:
     parser.add_argument("--samples", type=int, default=8, help="corpus samples to train on")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per pipeline")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile one cached step and report its N costliest operators")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     parser.set_defaults(handler=run_bench_train)
 
@@ -120,14 +141,16 @@ def run_bench_train(args) -> None:
     from dspark.train.config import load_config
     from dspark.train.corpus import load_corpus
 
-    if args.samples < 1 or args.steps < 1:
-        raise DsparkError("--samples and --steps must be >= 1")
+    if args.samples < 1 or args.steps < 1 or args.profile < 0:
+        raise DsparkError("--samples and --steps must be >= 1, --profile >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     config = load_config(args.config, args.overrides)
     corpus = load_corpus(args.corpus)
     target = load_target(config.target, dtype=getattr(torch, config.target_dtype))
-    result = bench_train(config, corpus, target, samples=args.samples, steps=args.steps)
+    result = bench_train(config, corpus, target, samples=args.samples, steps=args.steps, profile=args.profile)
     for key in ("online_tokens_per_s", "cached_tokens_per_s", "speedup"):
         print(f"{key:>22}: {result[key]}", file=sys.stderr)
+    for row in result.get("profile", []):
+        print(f"{row['share']:>7.1%} {row['self_ms']:>9.1f} ms {row['calls']:>6}×  {row['op']}", file=sys.stderr)
     print(json.dumps(result))
