@@ -201,6 +201,13 @@ def test_topk_loss_is_the_full_loss_when_k_is_the_vocabulary():
     for name in ("total", "ce", "tv", "conf", "accept"):
         torch.testing.assert_close(getattr(topk, name), getattr(full, name), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(topk.soft_label, full.soft_label, rtol=1e-5, atol=1e-6)
+    # positions that are not valid count for nothing: garbage there changes neither the loss nor the gradient
+    garbage = torch.where(valid[..., None], logits, torch.full_like(logits, 1e4)).requires_grad_()
+    clean = logits.clone().requires_grad_()
+    for tensor in (garbage, clean):
+        topk_block_loss(tensor, teacher, labels, valid, confidence, weights).total.backward()
+    torch.testing.assert_close(garbage.grad, clean.grad)
+    assert not garbage.grad[~valid].any()
     # a smaller k only coarsens the vocabulary: the L1 distance can only shrink
     small = topk_block_loss(logits, TopKTeacher(ids[..., :3], values[..., :3], teacher.logsumexp), labels, valid,
                             confidence, weights)
