@@ -134,6 +134,17 @@ def add_bench_parser(subparsers) -> None:
     ragged.add_argument("--repeats", type=_positive_int, default=7)
     add_dtype_arg(ragged)
     ragged.set_defaults(handler=run_bench_ragged)
+    forward = bench.add_parser("forward", help="cost of a k-token forward relative to one token, ours vs HF")
+    forward.add_argument("--target", default="default")
+    forward.add_argument("--tokens", type=_positive_int, nargs="+", default=[1, 2, 4, 8, 16],
+                         help="new tokens per forward, one request")
+    forward.add_argument("--rows", type=_positive_int, nargs="+", default=[8],
+                         help="requests per batched forward, --batch-tokens each")
+    forward.add_argument("--batch-tokens", type=_positive_int, default=8)
+    forward.add_argument("--context-tokens", type=_positive_int, default=200)
+    forward.add_argument("--repeats", type=_positive_int, default=15)
+    add_dtype_arg(forward)
+    forward.set_defaults(handler=run_bench_forward)
     from dspark.train.bench_train import add_bench_train_parser
 
     add_bench_train_parser(bench)
@@ -166,6 +177,12 @@ def run_bench_ragged(args: argparse.Namespace) -> None:
     from dspark.bench_load import run_ragged_bench
 
     run_ragged_bench(args)
+
+
+def run_bench_forward(args: argparse.Namespace) -> None:
+    from dspark.bench_forward import run_forward_bench
+
+    run_forward_bench(args)
 
 
 # duplicates: one lazy wrapper per subcommand, so that only the command run imports its module (and the

@@ -24,6 +24,11 @@ def hf_hidden_index(layer_id: int) -> int:
     return layer_id + 1
 
 
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The name `model.forward` takes its KV cache by (transformers renamed `past_key_values` to `cache`)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class Target:
     """One sequence's forward over an HF model with its own KV cache (the batch-1 adapter); the engine
     runs it through `SerialBackend`, drafters use it for their own models."""
@@ -38,8 +43,7 @@ class Target:
                 raise ValueError(f"target layer id {layer_id} outside [-1, {num_layers - 1}]")
         self.cache: DynamicCache | None = None
         self.length = 0
-        parameters = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
+        self._cache_kwarg = cache_kwarg(model)
 
     @property
     def device(self) -> torch.device:

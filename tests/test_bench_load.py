@@ -1,4 +1,4 @@
-"""`dspark bench load` and `dspark bench ragged` end to end on a tiny model."""
+"""`dspark bench load`, `bench ragged` and `bench forward` end to end on a tiny model."""
 
 import json
 
@@ -39,3 +39,16 @@ def test_bench_ragged_compares_attention_layouts(tiny_on_disk, capsys):
     assert [(r["context"], r["requests"]) for r in report["rows"]] == [(16, 1), (16, 3)]
     assert report["dtype"] == "float32"
     assert all(r["loop_ms"] > 0 and r["padded_ms"] > 0 for r in report["rows"])
+
+
+def test_bench_forward_reports_the_cost_of_k_tokens_relative_to_one(tiny_on_disk, capsys):
+    report = run_cli(capsys, "bench", "forward", "--target", tiny_on_disk / "target", "--tokens", 2, 8,
+                     "--rows", 1, 3, "--context-tokens", 12, "--repeats", 2)
+    assert [(r["rows"], r["tokens"]) for r in report["rows"]] == [(1, 1), (1, 2), (1, 8), (3, 8)]
+    one = report["rows"][0]
+    assert one["ours_ratio_to_1"] == one["hf_ratio_to_1"] == 1.0
+    for row in report["rows"]:
+        assert row["ours_ms"] > 0 and row["hf_ms"] > 0
+        assert abs(row["ours_ratio_to_1"] - row["ours_ms"] / one["ours_ms"]) < 0.01 * row["ours_ratio_to_1"]
+    assert report["verify8_over_1"] == report["rows"][2]["ours_ratio_to_1"]
+    assert report["dtype"] == "float32" and report["context_tokens"] == 12

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("eval", ("dspark.eval", "dspark.plots")),
     ("calibration", ("dspark.calibration",)),
     ("train", ("dspark.train",)),
-    ("bench", ("dspark.peers", "dspark.bench", "dspark.bench_load")),
+    ("bench", ("dspark.peers", "dspark.bench", "dspark.bench_load", "dspark.bench_forward")),
     ("report", ("dspark.report", "dspark.cli_eval")),
     ("server", ("dspark.server",)),
     ("cli", ("dspark.cli",)),
