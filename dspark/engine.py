@@ -120,13 +120,11 @@ class Engine:
         prefill_chunk: int = 512,
         max_context: int | None = None,
     ) -> None:
-        self.schedule: Scheduler | None = None
+        self.schedule: Scheduler | None = None if isinstance(scheduler, str) else scheduler
         if isinstance(scheduler, str):
             self.schedule = None if scheduler in ("fixed", "none") else get_scheduler(scheduler)
             if scheduler.startswith("dspark") and sps is None:
                 raise DsparkError(f"scheduler {scheduler!r} needs the target's SPS table (dspark profile)")
-        else:
-            self.schedule = scheduler
         if max_concurrency is None:
             max_concurrency = backend.max_slots
         if not 1 <= max_concurrency <= backend.max_slots:
@@ -233,6 +231,9 @@ class Engine:
         """Drafts of every prefilled request; one whose drafting fails is failed (its draft: empty)."""
         num_tokens = [resolve_block_size(self.block_size, request_limit=r.block_size,
                                          tokens_left=r.max_new_tokens - len(r.output_ids)) for r in requests]
+        begin_round = getattr(self.schedule, "begin_round", None)  # dspark-async: K known before drafting
+        if requests and begin_round is not None and not begin_round(self.sps, self.scheduler_state):
+            num_tokens = [0] * len(requests)  # K = 0: nothing would be verified, so draft nothing
         active = [i for i, n in enumerate(num_tokens) if n > 0]
         drafts = [Draft.empty() for _ in requests]
         proposed = self._propose([requests[i] for i in active], [num_tokens[i] for i in active])

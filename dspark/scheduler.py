@@ -269,12 +269,21 @@ def topk_lengths(survival: Survival, k: int) -> list[int]:
 # ------------------------------------------------------------------------ registry by name
 
 
+#: a `dspark-async` round whose capacity is 0 skips drafting, but never more than this many rounds in a row
+#: since the newest survival it has: then it drafts (and schedules synchronously) to refresh its estimate
+PROBE_EVERY = 8
+
+
 @dataclass
 class SchedulerState:
-    """What a stateful scheduler remembers between rounds: the survival lists of the last two
-    rounds (oldest first), for `dspark-async`."""
+    """What a stateful scheduler remembers between rounds, for `dspark-async`: (round, survival) of the
+    last two rounds that drafted, oldest first; the round number; this round's capacity K (None:
+    schedule synchronously), fixed by `begin_round` before anything is drafted."""
 
     history: deque = field(default_factory=lambda: deque(maxlen=2))
+    round: int = 0
+    capacity: int | None = None
+    begun: bool = False
 
 
 class Scheduler(Protocol):
@@ -289,16 +298,35 @@ def _dspark(survival: Survival, sps: StepCurve, state: SchedulerState | None) ->
     return dspark_lengths(survival, sps)
 
 
+def _async_begin_round(sps: StepCurve, state: SchedulerState) -> bool:
+    """Start the next round: K from the newest survival at least two rounds old (it cannot depend on this
+    round's drafts, so skipping on it is lossless). Returns False when K = 0: no draft would be verified, so
+    none need be made. Probing: if the newest survival of any age is over PROBE_EVERY rounds old, the round
+    drafts under synchronous Algorithm 1, so a capacity of 0 cannot switch drafting off for good."""
+    state.round += 1
+    old = [rows for number, rows in state.history if number <= state.round - 2]
+    newest = state.history[-1][0] if state.history else None
+    probe = not old or state.round - newest > PROBE_EVERY
+    state.capacity = None if probe else async_capacity(old[-1], sps)
+    state.begun = True
+    return state.capacity != 0
+
+
 def _dspark_async(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> list[int]:
-    """Top-K with K from two rounds ago; until two rounds have been seen (or without a state) it
-    falls back to synchronous Algorithm 1, which is lossless too."""
-    if state is None or len(state.history) < 2:
-        lengths = dspark_lengths(survival, sps)
-    else:
-        lengths = topk_lengths(survival, async_capacity(state.history[0], sps))
-    if state is not None:
-        state.history.append(_rows(survival))
+    """Top-K with K from two rounds ago; until two rounds have been seen (or without a state) it falls
+    back to synchronous Algorithm 1, which is lossless too. The engine calls `begin_round` first (and
+    skips drafting when it says so); a caller that does not gets one round per call."""
+    if state is None:
+        return dspark_lengths(survival, sps)
+    if not state.begun:
+        _async_begin_round(sps, state)
+    state.begun = False
+    lengths = dspark_lengths(survival, sps) if state.capacity is None else topk_lengths(survival, state.capacity)
+    state.history.append((state.round, _rows(survival)))
     return lengths
+
+
+_dspark_async.begin_round = _async_begin_round
 
 
 def get_scheduler(name: str) -> Scheduler:

@@ -17,7 +17,7 @@ from dspark.engine import Engine, Request, make_backend
 from dspark.errors import DsparkError
 from dspark.ragged import RaggedBackend, Segment
 from dspark.sampling import SamplingParams, make_generator
-from dspark.scheduler import SPSTable
+from dspark.scheduler import PROBE_EVERY, SPSTable
 from dspark.target import SerialBackend, Target
 
 ALPHA = 1e-3
@@ -212,6 +212,43 @@ def test_concurrent_negative_control_fails(monkeypatch):
     outputs, _ = concurrent_samples(target_table, ConfidentMarkovDrafter(draft_table), params, 3000, 4)
     marginals = exact_marginals(target_table, 0, params, 4)
     assert min(chi_square_pvalue(outputs[:, j], marginals[j]) for j in range(1, 4)) < ALPHA
+
+
+
+class CountingDrafter(MarkovDrafter):
+    """Markov drafts with one fixed confidence for every position; counts the proposals it makes."""
+
+    def __init__(self, table: torch.Tensor, confidence: float) -> None:
+        super().__init__(table)
+        self.fixed_confidence, self.proposals = confidence, 0
+
+    def propose(self, state, context, num_tokens, sampling, generator) -> Draft:
+        draft = super().propose(state, context, num_tokens, sampling, generator)
+        self.proposals += bool(len(draft))
+        return Draft(draft.tokens, draft.q, torch.full((len(draft),), self.fixed_confidence)) if len(draft) else draft
+
+
+@pytest.mark.parametrize("confidence", [0.001, 0.99])
+def test_dspark_async_skips_drafting_when_its_capacity_is_zero(confidence):
+    """With hopeless confidences the capacity K is 0, so dspark-async drafts only to probe (once per
+    PROBE_EVERY rounds) and the output is still the target's greedy chain; a perfect, confident drafter
+    drafts every round."""
+    target_table, draft_table = random_tables(8, seed=3)
+    drafter = CountingDrafter(draft_table if confidence < 0.5 else target_table, confidence)
+    steep = SPSTable(tuple(1.0 / (1.0 + 0.5 * b) for b in range(1, 40)))
+    engine = Engine(SerialBackend([MarkovTarget(target_table)]), drafter, block_size=4, scheduler="dspark-async",
+                    sps=steep)
+    request = Request(torch.tensor([0]), 60, SamplingParams())
+    engine.run([request])
+    reference = Request(torch.tensor([0]), 60, SamplingParams())
+    Engine(SerialBackend([MarkovTarget(target_table)]), NoDrafter(), block_size=4).run([reference])
+    assert request.output_ids == reference.output_ids
+    rounds = engine.scheduler_state.round
+    if confidence < 0.5:
+        assert rounds == 59  # nothing verified: the prefill emits one token, every round one more
+        assert rounds // (PROBE_EVERY + 1) <= drafter.proposals <= 2 + rounds // PROBE_EVERY
+    else:
+        assert drafter.proposals >= rounds - 1 and rounds < 30  # the last round may have no tokens left to draft
 
 
 # ---------------------------------------------------------------------------- fault isolation

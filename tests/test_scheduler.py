@@ -15,6 +15,7 @@ from dspark.errors import DsparkError
 from dspark.sampling import sample
 from dspark.scheduler import (
     DEFAULT_BLOCK_SIZE,
+    PROBE_EVERY,
     SchedulerState,
     SPSTable,
     async_capacity,
@@ -225,6 +226,24 @@ def test_dspark_async_uses_capacity_from_two_rounds_ago():
     # Round 4: K from round 2's doubtful drafts.
     assert scheduler(confident, sps, state) == topk_lengths(confident, async_capacity(doubtful, sps))
     assert scheduler(confident, sps, None) == dspark_lengths(confident, sps)  # stateless fallback
+
+
+
+def test_dspark_async_begin_round_skips_on_zero_capacity_and_probes():
+    sps = table(lambda b: 1 / (0.02 + 0.05 * b))
+    hopeless = [[0.001] * 4]
+    assert async_capacity(hopeless, sps) == 0
+    scheduler, state = get_scheduler("dspark-async"), SchedulerState()
+    drafted = []
+    for _ in range(30):
+        if scheduler.begin_round(sps, state):
+            drafted.append(state.round)
+            assert scheduler(hopeless, sps, state) == [0]
+        else:
+            assert state.capacity == 0  # known before drafting, from survival at least two rounds old
+    # rounds 1-2 synchronous, then a probe once the newest survival is PROBE_EVERY + 1 rounds old
+    assert drafted == [1, 2, 3 + PROBE_EVERY, 4 + 2 * PROBE_EVERY, 5 + 3 * PROBE_EVERY]
+    assert [number for number, _ in state.history] == drafted[-2:]
 
 
 def test_scheduler_overhead_runs():
