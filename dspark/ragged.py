@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from dspark.attention import attend
 from dspark.errors import DsparkError
 from dspark.target import TargetOutput
 
@@ -214,13 +213,15 @@ class RaggedBackend:
         for slot, start, size, offset in plan.rows():
             keys[slot, :, start : start + size] = k[offset : offset + size].transpose(0, 1)
             values[slot, :, start : start + size] = v[offset : offset + size].transpose(0, 1)
+        gqa = self.num_heads != self.num_kv_heads
         if self.attention == "padded" and len(plan.slots) > 1:
-            out = plan.padded_attention(q, keys, values)
+            out = plan.padded_attention(q, keys, values, gqa)
         else:
             out = torch.cat([
-                attend(
+                F.scaled_dot_product_attention(
                     q[offset : offset + size].transpose(0, 1)[None], keys[slot : slot + 1, :, : start + size],
-                    values[slot : slot + 1, :, : start + size], plan.causal_mask(start, size),
+                    values[slot : slot + 1, :, : start + size], attn_mask=plan.causal_mask(start, size),
+                    enable_gqa=gqa,
                 )[0].transpose(0, 1)
                 for slot, start, size, offset in plan.rows()
             ])
@@ -335,7 +336,8 @@ class _AttentionPlan:
             self._masks[key] = columns[None, :] <= start + torch.arange(size, device=self.device)[:, None]
         return self._masks[key]
 
-    def padded_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def padded_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         gqa: bool) -> torch.Tensor:
         """One SDPA over (R, H, T_max, L_max) with a mask; padding rows attend to position 0."""
         if self._padded is None:
             longest = max(self.sizes)
@@ -355,5 +357,8 @@ class _AttentionPlan:
         slots, longest, context, mask, batch_index, row_index = self._padded
         padded = q.new_zeros(len(self.slots), longest, q.shape[1], q.shape[2])
         padded[batch_index, row_index] = q
-        out = attend(padded.transpose(1, 2), keys[slots, :, :context], values[slots, :, :context], mask)
+        out = F.scaled_dot_product_attention(
+            padded.transpose(1, 2), keys[slots, :, :context], values[slots, :, :context],
+            attn_mask=mask, enable_gqa=gqa,
+        )
         return out.transpose(1, 2)[batch_index, row_index]

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.attention import attend
 from dspark.drafters.block_attention import block_attention
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.heads import ConfidenceHead, build_sequential_head, sequential_logits
@@ -65,7 +64,9 @@ class DSparkAttention(nn.Module):
         if context_kv is not None:
             k = torch.cat([context_kv[0], k], 2)
             v = torch.cat([context_kv[1], v], 2)
-        out = attend(q, k, v, mask)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
 
 

@@ -9,8 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.attention import attend
-
 
 class RMSNorm(nn.Module):
     """Normalise in float32, scale in the input dtype (as Llama/Qwen do)."""
@@ -199,7 +197,7 @@ class KVCache:
         keys, values = self.keys_values()
         query_end = start + 1 + torch.arange(q.shape[2], device=q.device)
         mask = torch.arange(end, device=q.device) < query_end[:, None]
-        return attend(q, keys, values, mask)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _grown(old: torch.Tensor | None, like: torch.Tensor, needed: int, length: int) -> torch.Tensor:
