@@ -33,6 +33,8 @@ class MethodTally:
     identical: bool = True
     has_rounds: bool = False
     per_prompt: list[float] = field(default_factory=list)
+    same_as_ours: list[bool] = field(default_factory=list)
+    divergence_gaps: list[float | None] = field(default_factory=list)  # top-2 logit gap where it first differs
 
     def add(self, num_tokens: int, seconds: float, stats: GenerationStats | None, same: bool) -> None:
         self.tokens += num_tokens
@@ -75,6 +77,21 @@ def ours(loaded: LoadedTarget, drafter, ids: torch.Tensor, max_new_tokens: int, 
     request = Request(ids, max_new_tokens, SamplingParams(), None, eos_token_ids(loaded))
     tokens = [token for chunk in engine.stream(request) for token in chunk]
     return tokens, request.stats
+
+
+def divergence_gap(model, prompt: torch.Tensor, reference: list[int], tokens: list[int]) -> float | None:
+    """Top-2 logit gap of the target (one teacher-forced forward) at the first position where `tokens`
+    leaves `reference`: a greedy divergence that starts at a near-tie is floating-point rounding (a forward
+    over a different number of tokens rounds differently in bf16), a large gap would be a bug. None if
+    one output is a prefix of the other (a length difference, not a token choice)."""
+    first = next((i for i, (a, b) in enumerate(zip(reference, tokens, strict=False)) if a != b), None)
+    if first is None:
+        return None
+    ids = torch.cat([prompt, torch.tensor(reference[:first], dtype=prompt.dtype)])
+    with torch.inference_mode():
+        logits = model(input_ids=ids[None].to(model.device), logits_to_keep=1).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
 
 
 def method_name(text: str) -> tuple[str, str]:
@@ -145,10 +162,13 @@ def _run_speed_bench(args: argparse.Namespace, stack: ExitStack) -> dict:
             start = time.perf_counter()
             outputs[name] = methods[name](ids)
             timings[name] = time.perf_counter() - start
-        reference = outputs["hf_vanilla"][0]
+        reference, ours_reference = outputs["hf_vanilla"][0], outputs["ours_vanilla"][0]
         for name in names:
             tokens, stats = outputs[name]
             tallies[name].add(len(tokens), timings[name], stats, tokens == reference)
+            tallies[name].same_as_ours.append(tokens == ours_reference)
+            if tokens != ours_reference and name.startswith("ours_"):
+                tallies[name].divergence_gaps.append(divergence_gap(loaded.model, ids, ours_reference, tokens))
         print(f"[bench] prompt {index + 1}/{len(prompts)}: {len(ids)} prompt tokens, "
               f"{len(reference)} generated", file=sys.stderr)
 
@@ -169,6 +189,8 @@ def _run_speed_bench(args: argparse.Namespace, stack: ExitStack) -> dict:
                 "speedup_vs_hf": round(t.tokens_per_s / base, 4) if base else None,
                 "tau": None if t.tau is None else round(t.tau, 4),
                 "identical_to_hf": t.identical,
+                "identical_to_ours_vanilla": sum(t.same_as_ours) / len(t.same_as_ours) if t.same_as_ours else None,
+                "divergence_gaps": [None if g is None else round(g, 4) for g in t.divergence_gaps],
                 "tokens": t.tokens,
             }
             for name, t in tallies.items()
@@ -194,11 +216,15 @@ def _peer_report(methods: dict, rows: dict, notes: list[str]) -> dict:
 
 
 def _print_table(report: dict) -> None:
-    print(f"{'method':<24}{'tok/s':>10}{'vs HF':>10}{'tau':>8}  identical", file=sys.stderr)
+    print(f"{'method':<24}{'tok/s':>10}{'vs HF':>10}{'tau':>8}  identical to HF / share as ours_vanilla",
+          file=sys.stderr)
     for name, row in report["methods"].items():
         tau = "-" if row["tau"] is None else f"{row['tau']:.2f}"
-        print(f"{name:<24}{row['tokens_per_s']:>10.2f}{row['speedup_vs_hf']:>10.3f}{tau:>8}  {row['identical_to_hf']}",
-              file=sys.stderr)
+        share = row["identical_to_ours_vanilla"]
+        gaps = ", ".join("-" if g is None else f"{g:.3f}" for g in row["divergence_gaps"])
+        gaps = f" (top-2 logit gaps where it diverges: {gaps})" if gaps else ""
+        print(f"{name:<24}{row['tokens_per_s']:>10.2f}{row['speedup_vs_hf']:>10.3f}{tau:>8}  "
+              f"{row['identical_to_hf']!s:<6} {share:.2f}{gaps}", file=sys.stderr)
     for peer, summary in report.get("peers", {}).items():
         if summary["best"]:
             best = ", ".join(f"{kind} {name}" for kind, name in summary["best"].items())

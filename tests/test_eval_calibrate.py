@@ -452,3 +452,28 @@ def test_report_render_names_the_target_and_derives_its_discussion_from_the_numb
     page = render(data)
     assert page.startswith("# DSpark on Tiny-7M: results") and data["discussion"] in page
     assert "SmolLM2" not in page
+
+
+def test_speed_bench_reports_identity_to_our_vanilla_decoding(tiny_on_disk, capsys):
+    """In float32 every one of our methods decodes exactly what our vanilla loop decodes; nothing diverges."""
+    assert main(["bench", "speed", "--target", str(tiny_on_disk / "target"), "--dataset",
+                 str(tiny_on_disk / "mbpp.jsonl"), "--drafter", str(tiny_on_disk / "drafter"), "--num-prompts", "2",
+                 "--max-new-tokens", "8", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["methods"]
+    for name in ("ours_vanilla", "ours_ngram", "ours_drafter"):
+        assert rows[name]["identical_to_ours_vanilla"] == 1.0 and rows[name]["divergence_gaps"] == []
+
+
+def test_divergence_gap_is_the_top2_logit_gap_where_the_outputs_part():
+    from conftest import tiny_model
+
+    from dspark.bench import divergence_gap
+
+    model = tiny_model("llama", num_layers=2)
+    prompt = torch.tensor([3, 5, 7])
+    reference = [9, 4, 6, 8]
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([[3, 5, 7, 9, 4]])).logits[0, -1]
+    top = logits.topk(2).values
+    assert divergence_gap(model, prompt, reference, [9, 4, 11, 8]) == pytest.approx(float(top[0] - top[1]), abs=1e-5)
+    assert divergence_gap(model, prompt, reference, reference[:2]) is None  # a prefix: no token choice differs
