@@ -11,7 +11,7 @@ from dspark.drafters import Drafter, load_drafter
 from dspark.engine import Engine, Request
 from dspark.errors import DsparkError
 from dspark.factory import build_engine
-from dspark.loading import LoadedTarget, TargetSpec, dtype_name, load_target, resolve_dtype
+from dspark.loading import LoadedTarget, TargetSpec, load_target, resolve_dtype, target_dtype_name
 from dspark.sampling import SamplingParams, make_generator
 from dspark.scheduler import get_scheduler
 from dspark.stats import GenerationStats
@@ -40,14 +40,17 @@ class GenerationResult:
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_target(spec: TargetSpec, dtype: torch.dtype) -> LoadedTarget:
+def _cached_target(spec: TargetSpec, dtype: torch.dtype | str) -> LoadedTarget:
     return load_target(spec, dtype)
 
 
 def resolve(target: TargetSpec | LoadedTarget, drafter: str | Drafter,
             dtype: str | torch.dtype = "auto") -> tuple[LoadedTarget, Drafter]:
     """A target spec is loaded in `dtype` (once; `resolve_dtype` names); a loaded target keeps its own."""
-    loaded = _cached_target(target, resolve_dtype(dtype)) if isinstance(target, str) else target
+    if isinstance(target, str):  # int4 stays a name (weights, not a torch dtype); the rest resolve to one
+        loaded = _cached_target(target, dtype if dtype == "int4" else resolve_dtype(dtype))
+    else:
+        loaded = target
     if isinstance(drafter, str):
         drafter = load_drafter(drafter, loaded.model)
     return loaded, drafter
@@ -127,7 +130,7 @@ def _run(handle: TextStream, loaded: LoadedTarget, engine: Engine, request: Requ
     finish = "stop" if text.stopped else stats.finish_reason
     stats.finish_reason = finish
     stats.num_generated = len(text.tokens)
-    handle.result = GenerationResult(text.text, text.tokens, stats, finish, dtype_name(loaded.model.dtype))
+    handle.result = GenerationResult(text.text, text.tokens, stats, finish, target_dtype_name(loaded.model))
 
 
 def generate(prompt: str | Messages, **options) -> GenerationResult:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from dspark.ragged import fuse_layer, rotate_half, supports_ragged
+from dspark.ragged import fuse_layer, linear, rotate_half, supports_ragged
 from dspark.sampling import SamplingParams, sample_tokens
 
 PREFILL_ROWS = 8  # rows per prefill attention call: bounds the (rows, heads, T, T) score tensor
@@ -66,15 +66,15 @@ class StaticBatch:
         for index, layer in enumerate(self.layers):
             x = x + self._attention(layer, index, x, cos, sin, start, size)
             h = layer.post_norm(x)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(h, layer.gate_up).chunk(2, -1)
+            x = x + linear(F.silu(gate) * up, layer.down)
         self.length = start + size
         return self.model.get_output_embeddings()(inner.norm(x[:, -1])).float()
 
     def _attention(self, layer, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    start: int, size: int) -> torch.Tensor:
         rows = x.shape[0]
-        qkv = F.linear(layer.input_norm(x), layer.qkv, layer.qkv_bias)
+        qkv = linear(layer.input_norm(x), layer.qkv, layer.qkv_bias)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[..., :q_size].view(rows, size, self.num_heads, self.head_dim)
         k = qkv[..., q_size : q_size + kv_size].view(rows, size, self.num_kv_heads, self.head_dim)
@@ -88,7 +88,7 @@ class StaticBatch:
         step = PREFILL_ROWS if size > 1 else rows
         out = torch.cat([self._grouped_attention(q[a : a + step], index, slice(a, a + step), start, end)
                          for a in range(0, rows, step)])
-        return F.linear(out.reshape(rows, size, -1), layer.o_proj)
+        return linear(out.reshape(rows, size, -1), layer.o_proj)
 
     def _grouped_attention(self, q: torch.Tensor, index: int, rows: slice, start: int, end: int) -> torch.Tensor:
         """q (r, T, H, hd) against cache columns [0, end) of `rows`; GQA without repeating K/V."""

@@ -16,7 +16,7 @@ from dspark.engine import Request
 from dspark.errors import DsparkError
 from dspark.eval.datasets import load_prompts
 from dspark.factory import build_engine, has_confidences
-from dspark.loading import LoadedTarget, TargetSpec, dtype_name, load_target
+from dspark.loading import LoadedTarget, TargetSpec, load_target, target_dtype_name
 from dspark.sampling import SamplingParams
 from dspark.stats import GenerationStats
 from dspark.target import Target
@@ -176,7 +176,7 @@ def _run_speed_bench(args: argparse.Namespace, stack: ExitStack) -> dict:
     report = {
         "benchmark": "speed",
         "target": loaded.name,
-        "dtype": dtype_name(loaded.model.dtype),
+        "dtype": target_dtype_name(loaded.model),
         "dataset": str(args.dataset),
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
@@ -279,7 +279,7 @@ def run_draft_bench(args: argparse.Namespace) -> dict:
         base = median[f"none-{depth}L"]
         for head in ("vanilla", "rnn"):
             rows[f"{head}-{depth}L"]["head_overhead"] = round(median[f"{head}-{depth}L"] / base - 1, 4)
-    report = {"benchmark": "draft", "target": loaded.name, "dtype": dtype_name(loaded.model.dtype),
+    report = {"benchmark": "draft", "target": loaded.name, "dtype": target_dtype_name(loaded.model),
               "block_size": gamma, "draft_dtype": str(dtype),
               "markov_rank": args.markov_rank, "context_tokens": int(ids.shape[0]),
               "verify_ms": round(1000 * verify_s, 3), "repeats": args.repeats, "drafters": rows}

@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from dspark.loading import dtype_name, load_target
+from dspark.loading import load_target, target_dtype_name
 from dspark.ragged import RaggedBackend, Segment
 from dspark.target import cache_kwarg
 
@@ -79,7 +79,7 @@ def _report(args, loaded, shapes, median: dict) -> dict:
               f"({cell['ours_ratio_to_1']:.3f}x one token), HF {cell['hf_ms']:7.2f} ms "
               f"({cell['hf_ratio_to_1']:.3f}x), ours/HF {cell['ours_over_hf']:.3f}", file=sys.stderr)
     verify = next((r for r in rows if r["rows"] == 1 and r["tokens"] == 8), None)
-    report = {"benchmark": "forward", "target": loaded.name, "dtype": dtype_name(loaded.model.dtype),
+    report = {"benchmark": "forward", "target": loaded.name, "dtype": target_dtype_name(loaded.model),
               "context_tokens": args.context_tokens, "torch_threads": torch.get_num_threads(),
               "repeats": args.repeats, "rows": rows,
               "verify8_over_1": verify["ours_ratio_to_1"] if verify else None}

@@ -21,7 +21,7 @@ from dspark.drafters import load_drafter
 from dspark.engine import Request
 from dspark.eval.datasets import load_prompts
 from dspark.factory import build_engine, step_rates
-from dspark.loading import dtype_name, load_target
+from dspark.loading import load_target, target_dtype_name
 from dspark.ragged import RaggedBackend, Segment
 from dspark.scheduler import resolve_block_size
 from dspark.text import eos_token_ids, prompt_ids
@@ -93,7 +93,7 @@ def run_load_bench(args: argparse.Namespace) -> dict:
     report = {
         "benchmark": "load",
         "target": loaded.name,
-        "dtype": dtype_name(loaded.model.dtype),
+        "dtype": target_dtype_name(loaded.model),
         "drafter": args.drafter,
         "block_size": block_size,
         "num_requests": len(prompts),
@@ -167,7 +167,7 @@ def run_ragged_bench(args: argparse.Namespace) -> dict:
                          "padded_ms": round(1000 * padded, 2), "padded_over_loop": round(padded / loop, 4)})
             print(f"[bench ragged] context {context} requests {requests}: loop {1000 * loop:.1f} ms, "
                   f"padded {1000 * padded:.1f} ms ({padded / loop:.3f}×)", file=sys.stderr)
-    report = {"benchmark": "ragged", "target": loaded.name, "dtype": dtype_name(loaded.model.dtype),
+    report = {"benchmark": "ragged", "target": loaded.name, "dtype": target_dtype_name(loaded.model),
               "tokens_per_request": args.tokens_per_request,
               "torch_threads": torch.get_num_threads(), "rows": rows}
     print(json.dumps(report))

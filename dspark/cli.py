@@ -229,7 +229,7 @@ def add_profile_parser(subparsers) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> None:
-    from dspark.loading import dtype_name, load_target
+    from dspark.loading import load_target, target_dtype_name
     from dspark.profiling import profile_path, sps_table
 
     loaded = load_target(args.target, args.dtype)
@@ -241,7 +241,7 @@ def run_profile(args: argparse.Namespace) -> None:
             print(f"B={b:<4d} SPS={sps:8.2f}/s  step={1000 / sps:7.2f} ms  relative cost={table.values[0] / sps:.3f}",
                   file=sys.stderr)
         tables[context] = list(table.values)
-    print(json.dumps({"target": loaded.name, "dtype": dtype_name(loaded.model.dtype), "sps": tables}))
+    print(json.dumps({"target": loaded.name, "dtype": target_dtype_name(loaded.model), "sps": tables}))
 
 
 def add_serve_parser(subparsers) -> None:

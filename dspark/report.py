@@ -304,7 +304,7 @@ def add_report_parser(subparsers) -> None:
 def run_report(args: argparse.Namespace) -> dict:
     from dspark.drafters import load_drafter
     from dspark.eval.datasets import default_dataset
-    from dspark.loading import dtype_name, load_target
+    from dspark.loading import load_target, target_dtype_name
 
     if args.num_prompts <= 0 or args.max_new_tokens <= 0:
         raise DsparkError("--num-prompts and --max-new-tokens must be > 0")
@@ -346,7 +346,7 @@ def run_report(args: argparse.Namespace) -> dict:
         report.pop("rounds")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(data))
-    summary = {"report": str(out), "dtype": dtype_name(loaded.model.dtype),
+    summary = {"report": str(out), "dtype": target_dtype_name(loaded.model),
                "plots": sorted(str(p) for p in plot_dir.glob("*.png")),
                "tau": {name: r["tau"] for name, r in data["acceptance"].items()}}
     if data.get("speed"):

@@ -28,7 +28,7 @@ from dspark.engine import GenerationFailed
 from dspark.engine import Request as EngineRequest
 from dspark.errors import DsparkError
 from dspark.factory import build_engine
-from dspark.loading import LoadedTarget, TargetSpec, dtype_name
+from dspark.loading import LoadedTarget, TargetSpec, target_dtype_name
 from dspark.sampling import make_generator
 from dspark.server.guards import AllowedHosts, BodyLimit, key_matches
 from dspark.server.limits import RETRY_AFTER_S, ServerLimits, check_request, completion_max_tokens
@@ -104,7 +104,7 @@ def create_app(loaded: LoadedTarget, service: EngineService, config: ServerConfi
     @app.get("/v1/models", dependencies=[Depends(authorised)])
     async def models() -> dict:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "dspark", "dtype": dtype_name(loaded.model.dtype)}]}
+                                            "owned_by": "dspark", "dtype": target_dtype_name(loaded.model)}]}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorised)])
     async def chat_completions(body: ChatCompletionRequest, http: Request):

@@ -64,7 +64,7 @@ def run_calibrate(args: argparse.Namespace) -> dict:
     from dspark.eval.datasets import dataset_name, load_prompts
     from dspark.eval.evaluate import EVAL_BENCHMARKS
     from dspark.eval.rollout import all_rounds, run_rollouts
-    from dspark.loading import dtype_name, load_target
+    from dspark.loading import load_target, target_dtype_name
     from dspark.sampling import SamplingParams
 
     _check_args(args)
@@ -102,7 +102,7 @@ def run_calibrate(args: argparse.Namespace) -> dict:
         "command": "calibrate",
         "drafter": str(args.drafter),
         "target": loaded.name,
-        "dtype": dtype_name(loaded.model.dtype),
+        "dtype": target_dtype_name(loaded.model),
         "sampling_temperature": args.temperature,
         "num_prompts": num_prompts,
         "corpus": args.corpus,
