@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from dspark.engine import make_backend
-from dspark.loading import LoadedTarget, cache_dir, log
+from dspark.loading import LoadedTarget, cache_dir, log, target_dtype_name
 from dspark.ragged import Segment
 from dspark.scheduler import SPSTable, profile_sps
 
@@ -18,7 +18,7 @@ _TABLES: dict[Path, SPSTable] = {}
 
 def profile_path(loaded: LoadedTarget, context_tokens: int) -> Path:
     model = loaded.model
-    tag = f"{loaded.name}-{model.device.type}-{str(model.dtype).split('.')[-1]}-t{torch.get_num_threads()}"
+    tag = f"{loaded.name}-{model.device.type}-{target_dtype_name(model)}-t{torch.get_num_threads()}"  # int4 apart
     return cache_dir() / "profiles" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', tag)}-ctx{context_tokens}.json"
 
 

@@ -24,3 +24,14 @@ def test_profile_is_measured_once_then_reused(tmp_path, monkeypatch):
     assert profiling.sps_table(loaded, max_tokens=4, context_tokens=16) == table  # from the file
     with pytest.raises(AssertionError, match="measured again"):
         profiling.sps_table(loaded, max_tokens=8, context_tokens=16)  # a longer table must be measured
+
+
+def test_int4_and_dense_targets_have_separate_profiles():
+    import torch
+
+    from dspark.quantize import quantize_int4_
+
+    dense = LoadedTarget(tiny_model("llama").to(torch.bfloat16), None, "tiny", None)
+    int4 = LoadedTarget(tiny_model("llama").to(torch.bfloat16), None, "tiny", None)
+    quantize_int4_(int4.model)
+    assert "bfloat16" in profiling.profile_path(dense, 16).name and "int4" in profiling.profile_path(int4, 16).name
