@@ -32,7 +32,8 @@ def quantize_weight(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple
 
 
 def dequantize(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
-    """(N, K) float32 weights the codes stand for (tests, and the dense view of an int4 layer)."""
+    """(N, K) float32 weights the codes stand for: the convention `quantize_weight` and the kernel share,
+    written out (the tests check the kernel and the re-quantisation against it)."""
     rows, columns = codes.shape
     scale, zero = scales_zeros.float().transpose(0, 1).unbind(-1)  # (N, K/g) each
     grouped = codes.reshape(rows, columns // group_size, group_size).float()
