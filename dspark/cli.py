@@ -6,7 +6,6 @@ import os
 import sys
 from collections.abc import Callable
 
-from dspark.allocator import keep_freed_memory
 from dspark.cli_args import add_dtype_arg
 from dspark.errors import DsparkError
 
@@ -302,7 +301,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    keep_freed_memory()
     try:
         args.handler(args)
     except DsparkError as error:

@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("dspark.allocator", "dspark.errors", "dspark.sampling", "dspark.verify", "dspark.stats")),
+    ("base", ("dspark.errors", "dspark.sampling", "dspark.verify", "dspark.stats")),
     # the target and its tokenizer (text needs LoadedTarget); drafters.files (checkpoint file names, shard
     # index) is read by loading too; cli_args reads loading's dtype names
     ("models", ("dspark.drafters.files", "dspark.quantize", "dspark.loading", "dspark.target", "dspark.ragged",
