@@ -13,9 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from dspark.errors import DsparkError
 from dspark.train.cli_data import add_data_parser
 from dspark.train.data import DataError, EvalIndex, Prompt, select_prompts
+from dspark.train.math_prompts import STEP_BY_STEP, TEMPLATES, math_prompts
 from dspark.train.prompt_sources import (
     build_prompts,
     code_prompts,
+    code_task_prompts,
     iter_json_array,
     read_jsonl_prompts,
     sharegpt_prompts,
@@ -78,6 +80,46 @@ def test_code_prompts_from_real_stdlib():
     assert len(prompts) == 5 and all(p.source == "code" for p in prompts)
 
 
+def test_code_task_prompts_are_function_tasks_from_documented_functions(tmp_path):
+    (tmp_path / "mod.py").write_text(
+        'def area(width, height):\n    """Returns the area of a rectangle of the given sides."""\n'
+        "    a = width\n    b = height\n    return a * b\n\n\n"
+        "def undocumented(x):\n    y = x\n    z = y\n    return z\n"
+    )
+    prompts = list(code_task_prompts(seed=0, root=tmp_path))
+    assert [p.id.rsplit("/", 1)[0] for p in prompts] == ["code-task/mod.area"]  # the undocumented one gives none
+    texts = {template: None for template in ("solve", "describe", "short")}
+    for seed in range(12):  # every template applies to this docstring
+        for prompt in code_task_prompts(seed=seed, root=tmp_path):
+            texts[prompt.id.rsplit("/", 1)[1]] = prompt.messages[0]["content"]
+    assert '```python\ndef area(width, height):\n    """Returns the area' in texts["solve"]
+    assert texts["describe"].startswith("Write a Python function `area(width, height)` that does the following: "
+                                        "Returns the area")
+    assert texts["short"] == "Write a python function to return the area of a rectangle of the given sides."
+
+
+def test_math_prompts_are_a_finite_seeded_pool_over_every_template():
+    pool = list(math_prompts(seed=3, per_template=5))
+    assert len(pool) == 5 * len(TEMPLATES) and len({p.id for p in pool}) == len(pool)
+    assert [p.to_json() for p in pool] == [p.to_json() for p in math_prompts(seed=3, per_template=5)]
+    assert [p.id for p in pool] != [p.id for p in math_prompts(seed=4, per_template=5)]
+    assert {p.id.split("/")[1] for p in pool} == set(TEMPLATES)
+    assert all(p.source == "math" and p.messages[0]["content"].strip() for p in pool)
+    with_instruction = sum(p.messages[0]["content"].endswith(STEP_BY_STEP) for p in pool)
+    assert 0.6 * len(pool) < with_instruction < len(pool)  # most ask for a boxed answer, some are asked plainly
+
+
+def test_build_prompts_mixes_maths_and_code_tasks_and_excludes_eval_matches(tmp_path):
+    taken = next(iter(math_prompts(seed=0))).messages[0]["content"]
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", [{"turns": [taken]}])
+    prompts, report = build_prompts(maths=30, code_tasks=5, exclude=[eval_file])
+    assert report.sources["math"].kept == 30 and report.sources["math"].excluded == 1
+    assert report.sources["code-task"].kept == 5
+    assert taken not in {p.messages[0]["content"] for p in prompts}
+    sources = [p.source for p in prompts]
+    assert sources.count("math") == 30 and sources.count("code-task") == 5
+
+
 def test_dedup_on_normalised_text():
     prompts = [Prompt(f"p{i}", "t", [{"role": "user", "content": text}])
                for i, text in enumerate(["Hello  World", "hello world\n", "other", "HELLO world"])]
@@ -109,6 +151,19 @@ def test_exclusion_against_eval_file(tmp_path):
     prompts, report = build_prompts(jsonl=[train], exclude=[eval_file])
     assert sorted(p.id for p in prompts) == ["train:6", "train:7"]
     assert report.excluded == 5
+
+
+def test_an_instruction_the_eval_set_repeats_is_not_contamination():
+    instruction = "Please reason step by step, and put your final answer within \\boxed{}."
+    questions = [f"What is the remainder when {7 + i} to the power {100 + i} is divided by {3 + i} exactly?"
+                 for i in range(6)]
+    index = EvalIndex([f"{q}\n{instruction}" for q in questions])
+    new_question = f"Solve 3x + 5 = 7.\n{instruction}"  # mostly the instruction's n-grams
+    assert not index.matches(new_question)
+    assert index.matches(f"{questions[2]}\n{instruction}")     # an eval prompt itself
+    assert index.matches(f"Hello! {questions[4]} Thanks.")         # its question without the instruction
+    few = EvalIndex([f"{q}\n{instruction}" for q in questions[:2]])  # below `boilerplate` turns it is content
+    assert few.matches(new_question)
 
 
 def test_eval_index_overlap_both_directions():

@@ -29,6 +29,9 @@ def add_data_parser(subparsers) -> None:
     prompts = commands.add_parser("prompts", help="build a deduplicated prompts JSONL, minus evaluation prompts")
     prompts.add_argument("--sharegpt", type=_count, default=0, help="number of ShareGPT prompts (random, seeded)")
     prompts.add_argument("--code", type=_count, default=0, help="number of Python standard-library code prompts")
+    prompts.add_argument("--code-tasks", type=_count, default=0,
+                         help="number of function-writing tasks from documented standard-library functions")
+    prompts.add_argument("--math", type=_count, default=0, help="number of synthetic maths questions (templates)")
     prompts.add_argument("--jsonl", action="extend", nargs="+", default=[], metavar="FILE",
                          help='user prompts, one {"turns": [...]} or {"messages": [...]} per line (repeatable)')
     prompts.add_argument("--exclude", action="extend", nargs="+", default=[], metavar="FILE",
@@ -88,7 +91,8 @@ def run_prompts(args: argparse.Namespace) -> None:
     from dspark.train.data import write_prompts
     from dspark.train.prompt_sources import build_prompts
 
-    prompts, report = build_prompts(sharegpt=args.sharegpt, code=args.code, jsonl=args.jsonl,
+    prompts, report = build_prompts(sharegpt=args.sharegpt, code=args.code, code_tasks=args.code_tasks,
+                                    maths=args.math, jsonl=args.jsonl,
                                     exclude=args.exclude, seed=args.seed, max_chars=args.max_chars)
     write_prompts(args.out, prompts)
     print(f"[dspark] {report.summary()}", file=sys.stderr)

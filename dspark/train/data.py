@@ -141,24 +141,38 @@ class EvalIndex:
     A training prompt matches when its normalised text equals an evaluation turn, or when they share
     at least `min_overlap` of either one's word n-grams (so an evaluation prompt pasted inside a
     longer request, or lightly edited, is caught too). Evaluation turns shorter than n words are
-    matched exactly only.
+    matched exactly only. An n-gram found in `boilerplate` or more evaluation turns is an instruction
+    the set repeats ("Please reason step by step, and put your final answer within \\boxed{}."), not
+    its content: it is left out of both sides of the overlap, so a new question asked with the same
+    instruction is not taken for an evaluation prompt.
     """
 
-    def __init__(self, texts: Iterable[str] = (), ngram: int = 8, min_overlap: float = 0.5):
-        self.ngram, self.min_overlap = ngram, min_overlap
+    def __init__(self, texts: Iterable[str] = (), ngram: int = 8, min_overlap: float = 0.5,
+                 boilerplate: int = 5) -> None:
+        self.ngram, self.min_overlap, self.boilerplate = ngram, min_overlap, boilerplate
         self.exact: set[str] = set()
-        self.sizes: list[int] = []
+        self.turns: list[set[tuple[str, ...]]] = []
         self.postings: dict[tuple[str, ...], list[int]] = {}
+        self._common: set[tuple[str, ...]] | None = None
         for text in texts:
             self.add(text)
 
     def add(self, text: str) -> None:
         self.exact.add(normalize(text))
-        shingles = _shingles(_words(text), self.ngram)
+        shingles = set(_shingles(_words(text), self.ngram))
         if shingles:
             for shingle in shingles:
-                self.postings.setdefault(shingle, []).append(len(self.sizes))
-            self.sizes.append(len(shingles))
+                self.postings.setdefault(shingle, []).append(len(self.turns))
+            self.turns.append(shingles)
+            self._common = None
+
+    @property
+    def common(self) -> set[tuple[str, ...]]:
+        """The boilerplate n-grams (in `boilerplate` or more evaluation turns)."""
+        if self._common is None:
+            self._common = {s for s, turns in self.postings.items() if len(turns) >= self.boilerplate}
+            self._sizes = [len(shingles - self._common) for shingles in self.turns]
+        return self._common
 
     @classmethod
     def from_files(cls, paths: Iterable[str | Path], **kwargs: Any) -> "EvalIndex":
@@ -176,10 +190,11 @@ class EvalIndex:
     def matches(self, text: str) -> bool:
         if normalize(text) in self.exact:
             return True
-        shingles = _shingles(_words(text), self.ngram)
+        common = self.common
+        shingles = set(_shingles(_words(text), self.ngram)) - common
         shared = Counter(i for s in shingles for i in self.postings.get(s, ()))
         return any(
-            count >= self.min_overlap * self.sizes[i] or count >= self.min_overlap * len(shingles)
+            count >= self.min_overlap * self._sizes[i] or count >= self.min_overlap * len(shingles)
             for i, count in shared.items()
         )
 

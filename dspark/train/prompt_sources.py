@@ -230,12 +230,83 @@ def code_prompts(seed: int = 0, root: str | Path | None = None, per_file: int = 
             yield code_prompt(snippet, module, rng)
 
 
+TASK_TEMPLATES = {
+    "solve": ("Write a solution to the following problem and make sure that it passes the tests:\n"
+              "```python\n{stub}\n```"),
+    "describe": "Write a Python function `{signature}` that does the following: {summary}",
+    "short": "Write a python function to {summary_lower}",
+}
+
+
+def task_summary(node_doc: str) -> str | None:
+    """The first paragraph of a docstring on one line, if it reads as a task (a sentence of 4-60 words)."""
+    paragraph = " ".join(node_doc.strip().split("\n\n")[0].split())
+    words = paragraph.split()
+    if not 4 <= len(words) <= 60 or paragraph.startswith((">>>", "Deprecated", "DEPRECATED")):
+        return None
+    return paragraph if paragraph.endswith((".", "?", "!")) else paragraph + "."
+
+
+#: docstring opening verbs that read as a task after "Write a python function to ..."
+TASK_VERBS = frozenset(
+    "add apply build calculate check compare compute convert copy count create decode delete determine encode "
+    "escape extract filter find format generate get insert join load make merge normalize open parse print "
+    "process quote read remove replace reset resolve return reverse run search send set sort split strip "
+    "test translate unquote update validate wrap write".split()
+)
+
+
+def _imperative(summary: str) -> str | None:
+    """'Returns the sum.' -> 'return the sum.' when the docstring opens with a task verb, else None."""
+    first, _, rest = summary.partition(" ")
+    verb = first.lower()
+    for suffix, cut in (("es", 2), ("s", 1), ("", 0)):
+        stem = verb[: len(verb) - cut] if verb.endswith(suffix) else None
+        if stem in TASK_VERBS:
+            return f"{stem} {rest}"
+    return None
+
+
+def code_task_prompt(snippet: Snippet, module: str, rng: random.Random) -> Prompt | None:
+    """A function-writing task (the register of HumanEval / MBPP) from a documented function, or None."""
+    if not snippet.stub:
+        return None
+    tree = ast.parse(snippet.stub).body[0]
+    summary = task_summary(ast.get_docstring(tree) or "")
+    imperative = _imperative(summary) if summary else None
+    names = ["solve"] + (["describe"] if summary else []) + (["short"] if imperative else [])
+    template = rng.choice(names)
+    signature = snippet.stub.splitlines()[0].removeprefix("async ").removeprefix("def ").rstrip(":")
+    text = TASK_TEMPLATES[template].format(stub=snippet.stub, signature=signature, summary=summary,
+                                           summary_lower=imperative)
+    return Prompt(f"code-task/{module}.{snippet.name}/{template}", "code-task", [{"role": "user", "content": text}])
+
+
+def code_task_prompts(seed: int = 0, root: str | Path | None = None, per_file: int = 6) -> Iterator[Prompt]:
+    """Function-writing tasks from documented standard-library functions, lazily, in an order fixed by
+    `seed` (at most `per_file` per file)."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    rng = random.Random(seed)
+    files = stdlib_files(root)
+    rng.shuffle(files)
+    for path in files:
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        snippets = [s for s in code_snippets(path, min_lines=3) if s.stub]
+        rng.shuffle(snippets)
+        for snippet in snippets[:per_file]:
+            prompt = code_task_prompt(snippet, module, rng)
+            if prompt is not None:
+                yield prompt
+
+
 # ---------------------------------------------------------------- the pipeline
 
 
 def build_prompts(
     sharegpt: int = 0,
     code: int = 0,
+    code_tasks: int = 0,
+    maths: int = 0,
     jsonl: Iterable[str | Path] = (),
     exclude: Iterable[str | Path] = (),
     seed: int = 0,
@@ -254,10 +325,16 @@ def build_prompts(
         sources.append(("sharegpt", pool, sharegpt))
     if code > 0:
         sources.append(("code", code_prompts(seed), code))
+    if code_tasks > 0:
+        sources.append(("code-task", code_task_prompts(seed), code_tasks))
+    if maths > 0:
+        from dspark.train.math_prompts import math_prompts
+
+        sources.append(("math", math_prompts(seed), maths))
     if not sources:
-        raise DataError("no prompt source: pass --sharegpt N, --code N or --jsonl FILE")
+        raise DataError("no prompt source: pass --sharegpt N, --code N, --code-tasks N, --math N or --jsonl FILE")
     prompts, report = select_prompts(sources, index, seed)
-    for name, wanted in (("sharegpt", sharegpt), ("code", code)):
+    for name, wanted in (("sharegpt", sharegpt), ("code", code), ("code-task", code_tasks), ("math", maths)):
         if wanted > 0 and report.sources[name].kept < wanted:
             log(f"warning: only {report.sources[name].kept} {name} prompts available (asked for {wanted})")
     return prompts, report
