@@ -23,7 +23,14 @@ from dspark.train.feature_cache import (
     plan_shards,
     sample_bounds,
 )
-from dspark.train.losses import LossWeights, TopKTeacher, block_loss, greedy_accepts, topk_block_loss
+from dspark.train.losses import (
+    LossWeights,
+    TopKTeacher,
+    block_loss,
+    chunked_block_loss,
+    greedy_accepts,
+    topk_block_loss,
+)
 from dspark.train.trainer import train
 
 LAYERS = (0, 2, 3)
@@ -214,6 +221,44 @@ def test_topk_loss_is_the_full_loss_when_k_is_the_vocabulary():
     assert small.tv <= full.tv + 1e-6
     # greedy acceptance compares argmaxes
     assert torch.equal(greedy_accepts(logits, teacher, None), logits.argmax(-1) == target_logits.argmax(-1))
+
+
+@pytest.mark.parametrize("teacher_kind", ["topk", "full"])
+@pytest.mark.parametrize("global_normalizer", [False, True])
+def test_chunked_loss_equals_the_whole_batch_loss_and_its_gradient(teacher_kind, global_normalizer):
+    """Chunks of anchors (each with its own small fp32 temporaries) sum to the whole batch's loss terms,
+    gradients and soft labels, for both teachers, with the local or a given (data-parallel) normaliser."""
+    torch.manual_seed(3)
+    vocab, gamma, anchors = 13, 3, 7
+    logits = torch.randn(2, anchors, gamma, vocab) * 2
+    target_logits = torch.randn(2, anchors, gamma, vocab) * 2
+    labels = torch.randint(0, vocab, (2, anchors, gamma))
+    valid = torch.rand(2, anchors, gamma) > 0.3
+    confidence = torch.randn(2, anchors, gamma)
+    values, ids = target_logits.topk(5, -1)
+    teacher = (TopKTeacher(ids, values, target_logits.logsumexp(-1)) if teacher_kind == "topk" else target_logits)
+    loss_fn = topk_block_loss if teacher_kind == "topk" else block_loss
+    normalizer = torch.tensor(9.5) if global_normalizer else None
+    weights = LossWeights(0.1, 0.9, 1.0)
+
+    def run(chunk_bytes):
+        leaf, conf = logits.clone().requires_grad_(), confidence.clone().requires_grad_()
+        out = chunked_block_loss(loss_fn, leaf, labels, valid, conf, 4.0, normalizer, teacher=teacher,
+                                 weights=weights, chunk_bytes=chunk_bytes)
+        out.total.backward()
+        return out, leaf.grad, conf.grad
+
+    whole, whole_grad, whole_conf_grad = run(2**30)
+    reference = loss_fn(logits, teacher, labels, valid, confidence, weights, 4.0, normalizer)
+    torch.testing.assert_close(whole.total, reference.total)
+    per_anchor = 2 * gamma * vocab * 4
+    for chunk_bytes in (1, 2 * per_anchor, 3 * per_anchor):  # 7 chunks of 1 anchor, 4 of 2, 3 of 3
+        out, grad, conf_grad = run(chunk_bytes)
+        for name in ("total", "ce", "tv", "conf", "accept", "weight_sum"):
+            torch.testing.assert_close(getattr(out, name), getattr(whole, name), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.soft_label, whole.soft_label)
+        torch.testing.assert_close(grad, whole_grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(conf_grad, whole_conf_grad, rtol=1e-5, atol=1e-7)
 
 
 def test_topk_loss_with_a_reduced_draft_vocabulary():

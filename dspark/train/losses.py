@@ -191,3 +191,35 @@ def greedy_accepts(logits: torch.Tensor, teacher: TopKTeacher, draft_to_target: 
     if draft_to_target is not None:
         choice = draft_to_target[choice]
     return choice == teacher.argmax
+
+
+#: the largest fp32 (…, γ, V) temporary one chunk of the loss may make (glibc's heap serves it below 32 MB;
+#: above, every step pays fresh page faults for it: see dspark/drafters/block_attention.py)
+LOSS_CHUNK_BYTES = 16 * 2**20
+
+
+def chunked_block_loss(loss_fn, logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                       confidence_logits: torch.Tensor | None, decay: float, normalizer, *, teacher=None,
+                       chunk_bytes: int = LOSS_CHUNK_BYTES, **kwargs) -> LossOutput:
+    """`loss_fn` (block_loss / topk_block_loss) over chunks of the anchor dim (logits (B, A, γ, V)), summed:
+    every term is Σ w·ℓ / normaliser with one normaliser for the whole batch, so the sum of the chunks'
+    terms is the whole batch's, while each chunk's fp32 softmax temporaries stay small. `teacher` is the
+    (B, A, γ, …) target side: a TopKTeacher, or the full target logits (passed positionally)."""
+    batch, anchors = logits.shape[:2]
+    per_anchor = batch * logits.shape[2] * logits.shape[3] * 4
+    step = max(1, chunk_bytes // max(per_anchor, 1))
+    if normalizer is None:
+        _, weight_sum, normalizer = _weighting(logits, valid, decay, None)
+    parts = []
+    for first in range(0, anchors, step):
+        rows = slice(first, min(first + step, anchors))
+        side = (TopKTeacher(teacher.ids[:, rows], teacher.logits[:, rows], teacher.logsumexp[:, rows])
+                if isinstance(teacher, TopKTeacher) else teacher[:, rows])
+        parts.append(loss_fn(logits[:, rows], side, labels[:, rows], valid[:, rows],
+                             None if confidence_logits is None else confidence_logits[:, rows],
+                             decay=decay, normalizer=normalizer, **kwargs))
+    if len(parts) == 1:
+        return parts[0]
+    total = lambda name: sum(getattr(part, name) for part in parts)  # noqa: E731
+    return LossOutput(total("total"), total("ce"), total("tv"), total("conf"), total("accept"),
+                      total("weight_sum"), torch.cat([part.soft_label for part in parts], 1))

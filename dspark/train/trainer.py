@@ -52,6 +52,7 @@ from dspark.train.losses import (
     LossWeights,
     block_loss,
     block_tau,
+    chunked_block_loss,
     greedy_accepts,
     position_weights,
     topk_block_loss,
@@ -182,15 +183,17 @@ def batch_loss(run: Run, batch: Batch | CachedBatch, module: nn.Module, global_n
         normalizer = (run.dist.sum(w.sum()) / run.dist.world).clamp_min(1e-6)
     with drafter_autocast(config, features.device):
         logits, confidence_logits = module(features, batch.input_ids, batch.anchors)
-    logits = logits.float()
+    # the logits stay in the autocast dtype: each loss chunk makes its own fp32 copy (a whole-batch one is
+    # hundreds of MB, paid in page faults every step)
     confidence_logits = None if confidence_logits is None else confidence_logits.float()
     if run.cache is not None:
-        out = topk_block_loss(logits, batch.teacher, labels, valid, confidence_logits, run.weights,
-                              config.decay_lambda, normalizer, run.target_to_draft)
+        out = chunked_block_loss(topk_block_loss, logits, labels, valid, confidence_logits, config.decay_lambda,
+                                 normalizer, teacher=batch.teacher, weights=run.weights,
+                                 target_to_draft=run.target_to_draft)
         agree = greedy_accepts(logits.detach(), batch.teacher, run.draft_to_target) & valid if greedy else None
     else:
-        out = block_loss(logits, target_logits, labels, valid, confidence_logits, run.weights, config.decay_lambda,
-                         normalizer)
+        out = chunked_block_loss(block_loss, logits, labels, valid, confidence_logits, config.decay_lambda,
+                                 normalizer, teacher=target_logits, weights=run.weights)
         agree = None
     return out, (valid, agree)
 
