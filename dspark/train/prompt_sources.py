@@ -215,19 +215,27 @@ def code_prompt(snippet: Snippet, module: str, rng: random.Random) -> Prompt:
     return Prompt(f"code/{module}.{snippet.name}/{template}", "code", [{"role": "user", "content": text}])
 
 
-def code_prompts(seed: int = 0, root: str | Path | None = None, per_file: int = 4) -> Iterator[Prompt]:
-    """Code prompts from standard-library sources, lazily, in an order fixed by `seed` (files are
-    shuffled, at most `per_file` snippets per file so that no single module dominates)."""
+def stdlib_snippets(seed: int, root: str | Path | None, per_file: int, documented: bool = False,
+                    min_lines: int = 4) -> Iterator[tuple[str, Snippet, random.Random]]:
+    """(module, snippet, rng) from standard-library sources, lazily, in an order fixed by `seed` (files
+    shuffled, at most `per_file` snippets per file so that no single module dominates); the rng is the
+    draw's own, for the caller's template choice."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     rng = random.Random(seed)
     files = stdlib_files(root)
     rng.shuffle(files)
     for path in files:
         module = ".".join(path.relative_to(root).with_suffix("").parts)
-        snippets = code_snippets(path)
+        snippets = [s for s in code_snippets(path, min_lines=min_lines) if s.stub or not documented]
         rng.shuffle(snippets)
         for snippet in snippets[:per_file]:
-            yield code_prompt(snippet, module, rng)
+            yield module, snippet, rng
+
+
+def code_prompts(seed: int = 0, root: str | Path | None = None, per_file: int = 4) -> Iterator[Prompt]:
+    """Code prompts (explain / implement / complete / test) from standard-library sources."""
+    for module, snippet, rng in stdlib_snippets(seed, root, per_file):
+        yield code_prompt(snippet, module, rng)
 
 
 TASK_TEMPLATES = {
@@ -267,10 +275,8 @@ def _imperative(summary: str) -> str | None:
     return None
 
 
-def code_task_prompt(snippet: Snippet, module: str, rng: random.Random) -> Prompt | None:
-    """A function-writing task (the register of HumanEval / MBPP) from a documented function, or None."""
-    if not snippet.stub:
-        return None
+def code_task_prompt(snippet: Snippet, module: str, rng: random.Random) -> Prompt:
+    """A function-writing task (the register of HumanEval / MBPP) from a documented function."""
     tree = ast.parse(snippet.stub).body[0]
     summary = task_summary(ast.get_docstring(tree) or "")
     imperative = _imperative(summary) if summary else None
@@ -283,20 +289,9 @@ def code_task_prompt(snippet: Snippet, module: str, rng: random.Random) -> Promp
 
 
 def code_task_prompts(seed: int = 0, root: str | Path | None = None, per_file: int = 6) -> Iterator[Prompt]:
-    """Function-writing tasks from documented standard-library functions, lazily, in an order fixed by
-    `seed` (at most `per_file` per file)."""
-    root = Path(root or sysconfig.get_paths()["stdlib"])
-    rng = random.Random(seed)
-    files = stdlib_files(root)
-    rng.shuffle(files)
-    for path in files:
-        module = ".".join(path.relative_to(root).with_suffix("").parts)
-        snippets = [s for s in code_snippets(path, min_lines=3) if s.stub]
-        rng.shuffle(snippets)
-        for snippet in snippets[:per_file]:
-            prompt = code_task_prompt(snippet, module, rng)
-            if prompt is not None:
-                yield prompt
+    """Function-writing tasks from documented standard-library functions."""
+    for module, snippet, rng in stdlib_snippets(seed, root, per_file, documented=True, min_lines=3):
+        yield code_task_prompt(snippet, module, rng)
 
 
 # ---------------------------------------------------------------- the pipeline
