@@ -1,7 +1,9 @@
 """`dspark bench train`: supervised tokens/s of the cached training pipeline against the online one.
 
 Both pipelines train the same drafter architecture on the same sequences with the same anchors, in
-one process, interleaved step by step (so machine noise hits both alike): the online pipeline runs
+one process, one pipeline's steps after the other's, each after its own warm-up steps: interleaved step
+by step, a cached step's page faults depended on what the online step had just freed (they share one
+heap), which a real training run never sees (docs/training.md). The online pipeline runs
 the frozen target on every batch and distils against its full-vocabulary softmax; the cached one
 reads features and a top-k teacher from a feature cache (built here, for the benchmark's samples,
 untimed — its cost is reported separately, once per corpus) and, when configured, predicts a reduced
@@ -78,13 +80,13 @@ def bench_train(config: TrainConfig, corpus, target, *, samples: int = 8, steps:
 
         timings = {"online": [0.0, 0], "cached": [0.0, 0]}
         batch_size = config.batch_size
-        for step in range(warmup + steps):
-            first = (step * batch_size) % len(cached_set)
-            indices = [(first + i) % len(cached_set) for i in range(batch_size)]
-            seeds = [anchor_seed(config.seed, step, i) for i in range(batch_size)]
-            for name, run, pipeline, examples in (("online", online_run, online, online_set),
-                                                  ("cached", cached_run, cached, cached_set)):
-                drafter, module, optimizer = pipeline
+        for name, run, pipeline, examples in (("online", online_run, online, online_set),
+                                              ("cached", cached_run, cached, cached_set)):
+            drafter, module, optimizer = pipeline
+            for step in range(warmup + steps):
+                first = (step * batch_size) % len(cached_set)
+                indices = [(first + i) % len(cached_set) for i in range(batch_size)]
+                seeds = [anchor_seed(config.seed, step, i) for i in range(batch_size)]
                 started = time.perf_counter()
                 batch = step_batch_from_seeds(run, [examples[i] for i in indices], seeds)
                 _, valid, _ = train_step(run, batch, module, drafter, optimizer)
