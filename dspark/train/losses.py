@@ -209,7 +209,7 @@ def chunked_block_loss(loss_fn, logits: torch.Tensor, labels: torch.Tensor, vali
     per_anchor = batch * logits.shape[2] * logits.shape[3] * 4
     step = max(1, chunk_bytes // max(per_anchor, 1))
     if normalizer is None:
-        _, weight_sum, normalizer = _weighting(logits, valid, decay, None)
+        normalizer = _weighting(logits, valid, decay, None)[2]
     parts = []
     for first in range(0, anchors, step):
         rows = slice(first, min(first + step, anchors))
