@@ -7,7 +7,9 @@ come out overconfident; STS fixes that with one temperature per block position,
 c_k = σ(z_k / T_k), fitted left to right on held-out rollouts: T_k is grid-searched to minimise the
 ECE of a_k against "drafts 1..k were all accepted", with T_1..T_{k-1} already fixed. A positive
 temperature never reorders the confidences of one position, so what the head ranks well stays
-ranked. The temperatures go into the checkpoint's config.json and `DSparkModel.confidence` applies them.
+ranked. The temperatures go into the checkpoint's config.json, one set per sampling temperature they
+were fitted at (a sampled draft survives less often than a greedy one with the same logit), and
+`DSparkModel.confidence` applies the set fitted nearest each request's temperature.
 
 Here: the fit, its metrics and storing the temperatures. `dspark calibrate` (dspark.train.calibrate)
 rolls out the prompts and plots; `dspark report` measures stored temperatures on evaluation rounds.
@@ -140,9 +142,14 @@ def pooled_report(logits: np.ndarray, outcomes: np.ndarray, temperatures: Sequen
     return {k: v if v is None or isinstance(v, int) else round(v, 5) for k, v in report.items()}
 
 
-def store_temperatures(checkpoint: str | Path, temperatures: Sequence[float] | None) -> None:
-    """Write `calibration_temperatures` into a DSpark checkpoint's config.json (weights untouched).
+def store_temperatures(checkpoint: str | Path, temperatures: Sequence[float] | None,
+                       sampling_temperature: float | None = None) -> None:
+    """Write STS temperatures into a DSpark checkpoint's config.json (weights untouched).
 
+    With `sampling_temperature` (0 = greedy) the set goes into `calibration_by_sampling` under that
+    temperature, replacing only a set fitted at the same one, and `calibration_temperatures` (what
+    requests without a nearer set use, and what other loaders read) becomes the set fitted nearest
+    greedy. Without it the set becomes `calibration_temperatures` alone; None clears every set.
     The new config is validated first and replaces the old one atomically, so an interrupted or
     invalid write never leaves a broken checkpoint."""
     from dspark.drafters.checkpoint import config_from_dict
@@ -153,8 +160,22 @@ def store_temperatures(checkpoint: str | Path, temperatures: Sequence[float] | N
         data = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise DsparkError(f"cannot read {config_file}: {error}") from error
-    data.setdefault("dspark", {})["calibration_temperatures"] = (
-        None if temperatures is None else [float(t) for t in temperatures])
+    extras = data.setdefault("dspark", {})
+    new = None if temperatures is None else [float(t) for t in temperatures]
+    if sampling_temperature is None:
+        extras["calibration_temperatures"] = new
+        if new is None:
+            extras.pop("calibration_by_sampling", None)
+    else:
+        if new is None:
+            raise ValueError("give the temperatures to store at a sampling temperature")
+        try:
+            table = {float(t): v for t, v in (extras.get("calibration_by_sampling") or {}).items()}
+        except (TypeError, ValueError, AttributeError) as error:
+            raise DsparkError(f"{config_file}: unreadable dspark.calibration_by_sampling: {error}") from error
+        table[float(sampling_temperature)] = new
+        extras["calibration_by_sampling"] = {f"{t:g}": table[t] for t in sorted(table)}
+        extras["calibration_temperatures"] = table[min(table)]
     config_from_dict(data, str(config_file))  # raises DrafterLoadError (one line) when invalid
     handle, staging = tempfile.mkstemp(dir=config_file.parent, prefix=".config-", suffix=".json")
     try:

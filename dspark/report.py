@@ -94,12 +94,15 @@ def acceptance_section(loaded, drafters: dict, prompts, args) -> dict:
     return results
 
 
-def calibration_section(loaded, drafter, rounds: list[RoundRecord], gamma: int, plot_path: Path) -> dict | None:
-    """Reliability of a_k on the evaluation rounds, raw (T = 1) vs the checkpoint's temperatures."""
+def calibration_section(loaded, drafter, rounds: list[RoundRecord], gamma: int, plot_path: Path,
+                        sampling_temperature: float = 0.0) -> dict | None:
+    """Reliability of a_k on evaluation rounds sampled at `sampling_temperature`, raw (T = 1) vs the
+    checkpoint's temperatures for that sampling temperature."""
     from dspark.calibration import calibration_arrays, pooled_report, position_reports
     from dspark.train.calibrate import plot_calibration
 
-    temperatures = getattr(drafter.config, "calibration_temperatures", None)
+    config = getattr(drafter, "config", None)
+    temperatures = config.temperatures_for(sampling_temperature) if hasattr(config, "temperatures_for") else None
     if temperatures is None or not any(r.raw_logits for r in rounds):
         return None
     logits, outcomes = calibration_arrays(rounds, gamma)
@@ -333,7 +336,8 @@ def run_report(args: argparse.Namespace) -> dict:
     data["verify_length_sweep"] = verify_length_sweep(rounds, gamma)
     data["latency"] = draft_latency(loaded, sweep_drafter, gamma)
     data["thresholds"] = threshold_sweep(rounds) if any(r.survival for r in rounds) else None
-    data["calibration"] = calibration_section(loaded, sweep_drafter, rounds, gamma, plot_dir / "reliability.png")
+    data["calibration"] = calibration_section(loaded, sweep_drafter, rounds, gamma, plot_dir / "reliability.png",
+                                              args.temperature[0])
     if args.depth > 0:
         data["depth"] = _depth_latency(loaded, args.depth, gamma)
     if args.block_sizes:

@@ -241,13 +241,57 @@ def test_temperatures_round_trip_and_change_confidence(tiny_dirs, tmp_path):
     assert read_config(path).calibration_temperatures is None
 
 
+def test_temperatures_per_sampling_temperature(tiny_dirs, tmp_path):
+    """Sets fitted at different sampling temperatures live side by side; each request row takes the
+    set fitted nearest its own temperature, and a refit replaces only the set at its temperature."""
+    path = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
+    target = load_target(str(tiny_dirs / "target")).model
+    greedy_set, sampled_set = [2.0, 1.0, 0.5, 4.0], [0.5, 3.0, 1.5, 0.8]
+    store_temperatures(path, sampled_set, 1.0)
+    store_temperatures(path, greedy_set, 0.0)
+    config = read_config(path)
+    assert config.calibration_by_sampling == {0.0: greedy_set, 1.0: sampled_set}
+    assert config.calibration_temperatures == greedy_set  # the fallback other loaders read: nearest greedy
+    assert [config.temperatures_for(t) for t in (0.0, 0.4, 0.6, 1.0, 2.5)] == [
+        greedy_set, greedy_set, sampled_set, sampled_set, sampled_set]
+
+    model = load_dspark(path, target).model
+    z = torch.tensor([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]])
+    c = model.confidence(z, [0.0, 0.9])
+    assert torch.allclose(c[0], torch.sigmoid(z[0] / torch.tensor(greedy_set)))
+    assert torch.allclose(c[1], torch.sigmoid(z[1] / torch.tensor(sampled_set)))
+    assert torch.allclose(model.confidence(z), torch.sigmoid(z / torch.tensor(greedy_set)))
+
+    refit = [1.0, 1.0, 2.0, 2.0]
+    store_temperatures(path, refit, 1.0)
+    assert read_config(path).calibration_by_sampling == {0.0: greedy_set, 1.0: refit}
+    store_temperatures(path, None)
+    config = read_config(path)
+    assert config.calibration_temperatures is None and config.calibration_by_sampling is None
+
+
+def test_bad_per_sampling_temperatures_are_refused(tiny_dirs, tmp_path):
+    path = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
+    before = (path / "config.json").read_text()
+    with pytest.raises(DrafterLoadError, match="need 4 positive calibration temperatures"):
+        store_temperatures(path, [1.0, 2.0], 1.0)  # wrong length: refused, config untouched
+    assert (path / "config.json").read_text() == before
+    data = json.loads(before)
+    for bad in ({"x": [1.0] * GAMMA}, {"-1": [1.0] * GAMMA}, [[1.0] * GAMMA], {"0": [1.0, 0.0, 1.0, 1.0]}):
+        data["dspark"]["calibration_by_sampling"] = bad
+        (path / "config.json").write_text(json.dumps(data))
+        with pytest.raises(DrafterLoadError):
+            read_config(path)
+
+
 def test_rollout_records_match_stats_and_raw_logits(tiny_dirs, tmp_path):
     from dspark.drafters import load_drafter
     from dspark.text import prompt_ids
 
     path = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
     temperatures = [2.0, 0.5, 1.0, 3.0]
-    store_temperatures(path, temperatures)
+    store_temperatures(path, [1.0, 1.0, 1.0, 1.0], 0.0)  # greedy requests only: not these sampled rounds
+    store_temperatures(path, temperatures, 1.0)
     loaded = load_target(str(tiny_dirs / "target"))
     drafter = load_drafter(str(path), loaded.model, draft_dtype=torch.float32)
     rollout = rollout_prompt(loaded, drafter, prompt_ids(loaded, "w1 w2 w3"), max_new_tokens=14,
@@ -316,6 +360,7 @@ def test_calibrate_end_to_end(tiny_dirs, tmp_path, capsys):
     assert result["temperatures"] == dry["temperatures"]  # same seed, same rollouts
     assert len(result["temperatures"]) == GAMMA and len(result["positions"]) == GAMMA
     assert read_config(path).calibration_temperatures == pytest.approx(result["temperatures"], rel=1e-4)
+    assert read_config(path).calibration_by_sampling[1.0] == pytest.approx(result["temperatures"], rel=1e-4)
     first = result["positions"][0]
     assert first["count"] == result["num_rounds"] > 0 and first["ece_after"] <= first["ece_before"] + 1e-9
     assert (tmp_path / "reliability.png").read_bytes()[:4] == b"\x89PNG"

@@ -21,10 +21,13 @@ for path in sys.argv[1:]:
 PY
 }
 summary "$OUT/eval_T0.json" "$OUT/eval_T1.json"
-# calibrate a copy (STS at T = 0 on the prompts training held out), then evaluate it as it would ship
+# calibrate a copy (STS at T = 0 and at T = 1, each stored for its temperature, on the prompts training
+# held out), then evaluate it as it would ship
 rm -rf "$OUT/shipped/drafter"; mkdir -p "$OUT/shipped"; cp -r "$OUT/drafter" "$OUT/shipped/drafter"
-dspark calibrate --drafter "$OUT/shipped/drafter" --corpus corpora/smollm2-135m-instruct.safetensors --num-prompts 40 \
-    --max-new-tokens 128 --dtype bfloat16 --json > "$OUT/calibrate.json" 2> "$OUT/calibrate.err"
+for T in 0 1; do
+  dspark calibrate --drafter "$OUT/shipped/drafter" --corpus corpora/smollm2-135m-instruct.safetensors --num-prompts 40 \
+      --max-new-tokens 128 --dtype bfloat16 --temperature $T --json > "$OUT/calibrate_T$T.json" 2> "$OUT/calibrate_T$T.err"
+done
 for T in 0 1; do
   dspark eval --drafter "$OUT/shipped/drafter" "${EVAL[@]}" --temperature $T > "$OUT/shipped/eval_T$T.json" \
       2> "$OUT/shipped/eval_T$T.err"

@@ -63,6 +63,9 @@ def config_to_dict(config: DSparkConfig, dtype: torch.dtype | None = None) -> di
             "calibration_temperatures": config.calibration_temperatures,
         },
     }
+    if config.calibration_by_sampling:  # JSON keys are strings: "0", "1", "0.7"
+        data["dspark"]["calibration_by_sampling"] = {
+            f"{t:g}": temps for t, temps in sorted(config.calibration_by_sampling.items())}
     if config.draft_vocab_size is not None:  # absent for full-vocabulary checkpoints: their config is unchanged
         data["draft_vocab_size"] = config.draft_vocab_size
     if config.last_context_input:  # likewise absent unless used
@@ -93,7 +96,12 @@ def config_from_dict(data: dict, where: str = "config") -> DSparkConfig:
         raise DrafterLoadError(f"{where}: markov_rank > 0 needs markov_head_type")
     heads = int(data["num_attention_heads"])
     extras = data.get("dspark") or {}
+    by_sampling = extras.get("calibration_by_sampling")
+    if by_sampling is not None and not isinstance(by_sampling, dict):
+        raise DrafterLoadError(f"{where}: dspark.calibration_by_sampling must map sampling temperatures to lists")
     try:
+        if by_sampling is not None:
+            by_sampling = {float(t): temps for t, temps in by_sampling.items()}
         return DSparkConfig(
             hidden_size=int(data["hidden_size"]),
             intermediate_size=int(data["intermediate_size"]),
@@ -113,6 +121,7 @@ def config_from_dict(data: dict, where: str = "config") -> DSparkConfig:
             enable_confidence_head=bool(data.get("enable_confidence_head", False)),
             confidence_head_with_markov=bool(data.get("confidence_head_with_markov", True)),
             calibration_temperatures=extras.get("calibration_temperatures"),
+            calibration_by_sampling=by_sampling,
             num_anchors=int(data.get("num_anchors") or 512),
             draft_vocab_size=data.get("draft_vocab_size"),
             last_context_input=bool(data.get("last_context_input", False)),

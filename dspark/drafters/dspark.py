@@ -13,6 +13,7 @@ training (`forward_train`: all anchors of a sequence at once, block attention ma
 the committed positions of each round). Per-request drafting is in `dspark_drafter`, the config in `dspark_config`.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -357,14 +358,21 @@ class DSparkModel(nn.Module):
             prev = self.markov_head.prev_embedding(prev_tokens)
         return self.confidence_head(hidden, prev).float()
 
-    def confidence(self, confidence_logits: torch.Tensor) -> torch.Tensor:
-        """c_k = sigmoid(logit_k / T_k) for logits (..., n), n <= γ block positions."""
-        temperatures = self.config.calibration_temperatures
-        if temperatures is not None:
-            n = confidence_logits.shape[-1]
-            temperatures = torch.tensor(temperatures[:n], device=confidence_logits.device)
-            confidence_logits = confidence_logits / temperatures
-        return torch.sigmoid(confidence_logits)
+    def confidence(self, confidence_logits: torch.Tensor,
+                   sampling_temperatures: Sequence[float] | None = None) -> torch.Tensor:
+        """c_k = sigmoid(logit_k / T_k) for logits (..., n), n <= γ block positions. With
+        `sampling_temperatures` (one per row of a (R, n) batch; 0 = greedy) each row takes the STS set
+        fitted nearest its own sampling temperature; without, the default set."""
+        n = confidence_logits.shape[-1]
+        if sampling_temperatures is None:
+            sets = [self.config.calibration_temperatures]  # one set for every row
+        else:
+            sets = [self.config.temperatures_for(t) for t in sampling_temperatures]
+        if all(s is None for s in sets):
+            return torch.sigmoid(confidence_logits)
+        temperatures = torch.tensor([[1.0] * n if s is None else s[:n] for s in sets],
+                                    device=confidence_logits.device, dtype=confidence_logits.dtype)
+        return torch.sigmoid(confidence_logits / (temperatures[0] if sampling_temperatures is None else temperatures))
 
     def forward_train(
         self,

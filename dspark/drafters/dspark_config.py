@@ -45,6 +45,11 @@ class DSparkConfig(DraftShape):
     confidence_head_with_markov: bool = True
     #: Sequential Temperature Scaling: T_k divides the confidence logit of block position k.
     calibration_temperatures: list[float] | None = None
+    #: STS temperatures per sampling temperature they were fitted at, {sampling T: [T_1..T_γ]}. Sampled
+    #: drafts survive less often than greedy ones at the same confidence logit, so one set fitted on
+    #: greedy rounds over-predicts sampled acceptance (docs/training.md, run 3: +9.6% at T = 1). A request
+    #: uses the set fitted nearest its own temperature; `calibration_temperatures` is the fallback.
+    calibration_by_sampling: dict[float, list[float]] | None = None
     #: training only: anchors sampled per sequence (kept for DeepSpec config compatibility).
     num_anchors: int = 512
     #: EAGLE-3-style reduced draft vocabulary: the drafter predicts only this many target ids (the
@@ -68,6 +73,9 @@ class DSparkConfig(DraftShape):
         )
         if self.calibration_temperatures is not None:
             self.calibration_temperatures = [float(t) for t in self.calibration_temperatures]
+        if self.calibration_by_sampling is not None:
+            self.calibration_by_sampling = {float(t): [float(x) for x in temps]
+                                            for t, temps in self.calibration_by_sampling.items()} or None
         if self.draft_vocab_size is not None:
             self.draft_vocab_size = int(self.draft_vocab_size)
         self.validate()
@@ -96,6 +104,21 @@ class DSparkConfig(DraftShape):
         temperatures = self.calibration_temperatures
         if temperatures is not None and (len(temperatures) != self.block_size or min(temperatures) <= 0):
             raise ValueError(f"need {self.block_size} positive calibration temperatures, got {temperatures}")
+        for sampling_temperature, temperatures in (self.calibration_by_sampling or {}).items():
+            if not math.isfinite(sampling_temperature) or sampling_temperature < 0:
+                raise ValueError(f"calibration sampling temperatures must be finite and >= 0, "
+                                 f"got {sampling_temperature}")
+            if len(temperatures) != self.block_size or min(temperatures) <= 0:
+                raise ValueError(f"need {self.block_size} positive calibration temperatures at sampling temperature "
+                                 f"{sampling_temperature:g}, got {temperatures}")
+
+    def temperatures_for(self, sampling_temperature: float) -> list[float] | None:
+        """The STS temperatures for requests sampled at `sampling_temperature` (0 = greedy): the set
+        fitted at the nearest sampling temperature, else `calibration_temperatures` (None = uncalibrated)."""
+        table = self.calibration_by_sampling
+        if not table:
+            return self.calibration_temperatures
+        return table[min(table, key=lambda t: (abs(t - sampling_temperature), t))]
 
     @property
     def feature_size(self) -> int:

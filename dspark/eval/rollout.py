@@ -125,9 +125,9 @@ class RecordingDrafter(DrafterWrapper):
             return
         calibrate = model.confidence
 
-        def capture(confidence_logits: torch.Tensor) -> torch.Tensor:
+        def capture(confidence_logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             self._raw_logits = confidence_logits.detach().float().cpu().reshape(-1)  # one request: (1, n)
-            return calibrate(confidence_logits)
+            return calibrate(confidence_logits, *args, **kwargs)
 
         model.confidence = capture  # an instance attribute shadowing the method, removed below
         try:

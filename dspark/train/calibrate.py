@@ -37,7 +37,9 @@ def add_calibrate_parser(subparsers) -> None:
     add_prompt_args(parser, num_prompts=20,
                     dataset_help="held-out prompts, JSONL with 'turns' or 'messages' per line (repeatable)")
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="sampling temperature of the rollouts (0 = greedy); calibrate at the one you serve")
+                        help="sampling temperature of the rollouts (0 = greedy). The fit is stored for this "
+                             "temperature next to those fitted at others; requests use the set fitted nearest "
+                             "their own temperature, so calibrate at each one you serve (e.g. 0 and 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-bins", type=int, default=10, help="equal-width ECE bins")
     parser.add_argument("--min-rounds", type=int, default=50,
@@ -97,7 +99,7 @@ def run_calibrate(args: argparse.Namespace) -> dict:
     if args.plot:
         plot_calibration(args.plot, logits, outcomes, temperatures, args.num_bins)
     if not args.dry_run:
-        store_temperatures(args.drafter, temperatures)
+        store_temperatures(args.drafter, temperatures, 0.0 if sampling.greedy else args.temperature)
     result = {
         "command": "calibrate",
         "drafter": str(args.drafter),
