@@ -153,7 +153,7 @@ class EvalIndex:
         self.exact: set[str] = set()
         self.turns: list[set[tuple[str, ...]]] = []
         self.postings: dict[tuple[str, ...], list[int]] = {}
-        self._common: set[tuple[str, ...]] | None = None
+        self._filtered: tuple[set[tuple[str, ...]], list[int]] | None = None
         for text in texts:
             self.add(text)
 
@@ -164,15 +164,19 @@ class EvalIndex:
             for shingle in shingles:
                 self.postings.setdefault(shingle, []).append(len(self.turns))
             self.turns.append(shingles)
-            self._common = None
+            self._filtered = None
+
+    def _without_boilerplate(self) -> tuple[set[tuple[str, ...]], list[int]]:
+        """The boilerplate n-grams and each turn's n-gram count without them (kept until the next add)."""
+        if self._filtered is None:
+            common = {s for s, turns in self.postings.items() if len(turns) >= self.boilerplate}
+            self._filtered = common, [len(shingles - common) for shingles in self.turns]
+        return self._filtered
 
     @property
     def common(self) -> set[tuple[str, ...]]:
         """The boilerplate n-grams (in `boilerplate` or more evaluation turns)."""
-        if self._common is None:
-            self._common = {s for s, turns in self.postings.items() if len(turns) >= self.boilerplate}
-            self._sizes = [len(shingles - self._common) for shingles in self.turns]
-        return self._common
+        return self._without_boilerplate()[0]
 
     @classmethod
     def from_files(cls, paths: Iterable[str | Path], **kwargs: Any) -> "EvalIndex":
@@ -190,11 +194,11 @@ class EvalIndex:
     def matches(self, text: str) -> bool:
         if normalize(text) in self.exact:
             return True
-        common = self.common
+        common, sizes = self._without_boilerplate()
         shingles = set(_shingles(_words(text), self.ngram)) - common
         shared = Counter(i for s in shingles for i in self.postings.get(s, ()))
         return any(
-            count >= self.min_overlap * self._sizes[i] or count >= self.min_overlap * len(shingles)
+            count >= self.min_overlap * sizes[i] or count >= self.min_overlap * len(shingles)
             for i, count in shared.items()
         )
 

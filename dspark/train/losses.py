@@ -142,6 +142,10 @@ class TopKTeacher:
     def argmax(self) -> torch.Tensor:
         return self.ids[..., 0]
 
+    def select(self, index) -> "TopKTeacher":
+        """The teacher at `index` of its leading (position) dimensions, e.g. (slice(None), rows)."""
+        return TopKTeacher(self.ids[index], self.logits[index], self.logsumexp[index])
+
 
 def topk_l1_distance(log_q: torch.Tensor, teacher: TopKTeacher, target_to_draft: torch.Tensor | None) -> torch.Tensor:
     """‖q − p‖₁ with the vocabulary coarsened to the teacher's top-k ids plus one tail bucket, for draft
@@ -213,8 +217,7 @@ def chunked_block_loss(loss_fn, logits: torch.Tensor, labels: torch.Tensor, vali
     parts = []
     for first in range(0, anchors, step):
         rows = slice(first, min(first + step, anchors))
-        side = (TopKTeacher(teacher.ids[:, rows], teacher.logits[:, rows], teacher.logsumexp[:, rows])
-                if isinstance(teacher, TopKTeacher) else teacher[:, rows])
+        side = teacher.select((slice(None), rows)) if isinstance(teacher, TopKTeacher) else teacher[:, rows]
         parts.append(loss_fn(logits[:, rows], side, labels[:, rows], valid[:, rows],
                              None if confidence_logits is None else confidence_logits[:, rows],
                              decay=decay, normalizer=normalizer, **kwargs))
