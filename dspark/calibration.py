@@ -181,6 +181,7 @@ def store_temperatures(checkpoint: str | Path, temperatures: Sequence[float] | N
     try:
         with os.fdopen(handle, "w") as out:
             out.write(json.dumps(data, indent=2) + "\n")
+        os.chmod(staging, config_file.stat().st_mode & 0o777)  # mkstemp makes it 0600: keep the config's mode
         os.replace(staging, config_file)
     finally:
         if os.path.exists(staging):

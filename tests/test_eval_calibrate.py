@@ -247,8 +247,10 @@ def test_temperatures_per_sampling_temperature(tiny_dirs, tmp_path):
     path = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
     target = load_target(str(tiny_dirs / "target")).model
     greedy_set, sampled_set = [2.0, 1.0, 0.5, 4.0], [0.5, 3.0, 1.5, 0.8]
+    (path / "config.json").chmod(0o644)
     store_temperatures(path, sampled_set, 1.0)
     store_temperatures(path, greedy_set, 0.0)
+    assert (path / "config.json").stat().st_mode & 0o777 == 0o644  # readable by others, as before
     config = read_config(path)
     assert config.calibration_by_sampling == {0.0: greedy_set, 1.0: sampled_set}
     assert config.calibration_temperatures == greedy_set  # the fallback other loaders read: nearest greedy
