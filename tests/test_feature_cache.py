@@ -379,6 +379,8 @@ def test_bench_train_reports_both_pipelines(cached_run):
                          load_target(str(cached_run / "target")), samples=4, steps=1, top_k=8, max_len=32,
                          profile=3)
     assert result["online_tokens_per_s"] > 0 and result["cached_tokens_per_s"] > 0
+    assert result["online_topk_tokens_per_s"] > 0
+    assert result["cache_break_even_epochs"] is None or result["cache_break_even_epochs"] > 0
     shares = [row["share"] for row in result["profile"]]
     assert len(shares) == 3 and shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1
     assert result["speedup"] == pytest.approx(result["cached_tokens_per_s"] / result["online_tokens_per_s"], rel=0.05)
@@ -435,3 +437,69 @@ def test_the_heldout_split_survives_corpus_growth():
     assert 0.03 < len(held_grown) / len(grown) < 0.07
     assert split_by_id(["a", "b"], 0.0001, 0)[1] and split_by_id(["a", "b"], 0.9999, 0)[0]
     assert split_by_id(small, 0.05, 1)[1] != held_small  # the seed matters
+
+
+# ---------------------------------------------------------------- online features (no cache on disk)
+
+
+def test_online_features_equal_the_cache(cached_run):
+    """The target computing a batch's features and top-k teacher gives the batch the cache gives."""
+    from dspark.loading import load_target
+    from dspark.train.corpus import load_corpus
+    from dspark.train.online_features import TargetFeatureSource
+
+    corpus = load_corpus(cached_run / "corpus.safetensors")
+    cache = FeatureCache.open(cached_run / "cache")
+    online = TargetFeatureSource(load_target(str(cached_run / "target")).model, corpus, top_k=8, max_len=32, pad_id=0)
+    examples = cached_examples(corpus, cache)
+    assert [e.input_ids for e in cached_examples(corpus, online)] == [e.input_ids for e in examples]
+    picked = [examples[i] for i in (0, 3, 7, 11)]  # different lengths: padded rows
+    read, computed = (make_cached_batch(picked, source, (2, 0), [1, 2, 3, 4], num_anchors=6, block_size=4,
+                                        pad_id=0, device=torch.device("cpu")) for source in (cache, online))
+    assert torch.equal(read.anchors, computed.anchors) and torch.equal(read.keep, computed.keep)
+    torch.testing.assert_close(computed.features.float(), read.features.float(), rtol=1e-2, atol=1e-2)
+    assert computed.features.dtype == torch.bfloat16
+    assert torch.equal(computed.teacher.ids, read.teacher.ids)
+    torch.testing.assert_close(computed.teacher.logits, read.teacher.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(computed.teacher.logsumexp, read.teacher.logsumexp, rtol=1e-4, atol=1e-4)
+    with pytest.raises(FeatureCacheError, match="do not fit a 4-layer target"):
+        online.samples([0], (4,))
+
+
+def test_online_training_is_the_cached_training(cached_run):
+    """Same corpus, split, anchors and loss: the online run ends where the cached one does (bitwise here;
+    the tolerance allows the float noise of a differently padded target forward, ~30x below what a top-4
+    teacher instead of top-8 moves the weights), and it resumes exactly."""
+    online = dict(feature_cache=None, online_features=True, top_k=8, seq_len=32)
+    cached = train(cached_config(cached_run, "cached_ref"))
+    result = train(cached_config(cached_run, "online", **online))
+    assert result["eval_blocks"] == cached["eval_blocks"]
+    assert result["eval_tau_greedy"] == pytest.approx(cached["eval_tau_greedy"], abs=0.05)
+    assert result["eval_loss"] == pytest.approx(cached["eval_loss"], rel=1e-2)
+    reference = load_file(str(cached_run / "cached_ref" / "final" / "model.safetensors"))
+    weights = load_file(str(cached_run / "online" / "final" / "model.safetensors"))
+    for name in reference:
+        torch.testing.assert_close(weights[name].float(), reference[name].float(), rtol=0, atol=1e-4)
+
+    def kill(step, metrics):
+        if step == 4:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train(cached_config(cached_run, "online_cut", **online), on_step=kill)
+    train(cached_config(cached_run, "online_cut", **online), resume="latest")
+    resumed = load_file(str(cached_run / "online_cut" / "final" / "model.safetensors"))
+    for name in weights:
+        assert torch.equal(weights[name], resumed[name]), name
+
+
+def test_online_features_need_a_corpus_and_no_cache():
+    from dspark.errors import DsparkError
+    from dspark.train.config import TrainConfig
+
+    with pytest.raises(DsparkError, match="needs a corpus"):
+        TrainConfig(data="chats.jsonl", online_features=True)
+    with pytest.raises(DsparkError, match="not both"):
+        TrainConfig(data="c.safetensors", online_features=True, feature_cache="cache")
+    with pytest.raises(DsparkError, match="top_k"):
+        TrainConfig(data="c.safetensors", online_features=True, top_k=0)

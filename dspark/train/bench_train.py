@@ -1,4 +1,4 @@
-"""`dspark bench train`: supervised tokens/s of the cached training pipeline against the online one.
+"""`dspark bench train`: supervised tokens/s of the cached training pipeline against the online ones.
 
 Both pipelines train the same drafter architecture on the same sequences with the same anchors, in
 one process, one pipeline's steps after the other's, each after its own warm-up steps: interleaved step
@@ -7,7 +7,9 @@ heap), which a real training run never sees (docs/training.md). The online pipel
 the frozen target on every batch and distils against its full-vocabulary softmax; the cached one
 reads features and a top-k teacher from a feature cache (built here, for the benchmark's samples,
 untimed — its cost is reported separately, once per corpus) and, when configured, predicts a reduced
-draft vocabulary. The last line printed is JSON.
+draft vocabulary. A third pipeline, online top-k (`online_features`), trains exactly as the cached one but
+has the target compute each batch's features and top-k teacher: from its rate and the cache's build rate
+follows how many epochs a run must read before building a cache pays. The last line printed is JSON.
 """
 
 import dataclasses
@@ -27,6 +29,7 @@ from dspark.train.drafter_specs import DRAFTERS, BlockForward
 from dspark.train.examples import Example
 from dspark.train.feature_cache import CacheKey, FeatureCache, build_cache, model_fingerprint
 from dspark.train.features import TargetFeatures
+from dspark.train.online_features import TargetFeatureSource
 from dspark.train.trainer import (
     Run,
     build_optimizer,
@@ -78,10 +81,19 @@ def bench_train(config: TrainConfig, corpus, target, *, samples: int = 8, steps:
             cached_run.target_to_draft = cached[0].target_to_draft()
             cached_run.draft_to_target = cached[0].draft_to_target()
 
-        timings = {"online": [0.0, 0], "cached": [0.0, 0]}
+        topk_config = dataclasses.replace(config, feature_cache=None, online_features=True, top_k=top_k,
+                                          seq_len=max_len)
+        topk_run = dataclasses.replace(cached_run, config=topk_config,
+                                       cache=TargetFeatureSource(target.model, subset, top_k, max_len, pad_id))
+        topk = _pipeline(topk_config, target)
+        if coverage is not None:
+            topk[0].set_draft_vocab(cached[0].draft_to_target())
+
+        timings = {"online": [0.0, 0], "cached": [0.0, 0], "online_topk": [0.0, 0]}
         batch_size = config.batch_size
         for name, run, pipeline, examples in (("online", online_run, online, online_set),
-                                              ("cached", cached_run, cached, cached_set)):
+                                              ("cached", cached_run, cached, cached_set),
+                                              ("online_topk", topk_run, topk, cached_set)):
             drafter, module, optimizer = pipeline
             for step in range(warmup + steps):
                 first = (step * batch_size) % len(cached_set)
@@ -95,11 +107,15 @@ def bench_train(config: TrainConfig, corpus, target, *, samples: int = 8, steps:
                     timings[name][0] += elapsed
                     timings[name][1] += int(valid.sum())
         top_ops = profile_step(cached_run, cached, cached_set[:batch_size], seeds, profile) if profile else None
-    online_rate = timings["online"][1] / timings["online"][0]
-    cached_rate = timings["cached"][1] / timings["cached"][0]
+    online_rate, cached_rate, topk_rate = (timings[n][1] / timings[n][0] for n in ("online", "cached", "online_topk"))
+    # one epoch supervises ~(supervised per sample) x samples positions; the cache costs cache_seconds once
+    epoch = timings["cached"][1] / (steps * batch_size) * len(cached_set)
+    saved_per_epoch = epoch / topk_rate - epoch / cached_rate
     return {
         "online_tokens_per_s": round(online_rate, 1), "cached_tokens_per_s": round(cached_rate, 1),
-        "speedup": round(cached_rate / online_rate, 2), "supervised_per_step": timings["cached"][1] // steps,
+        "speedup": round(cached_rate / online_rate, 2), "online_topk_tokens_per_s": round(topk_rate, 1),
+        "cache_break_even_epochs": round(cache_seconds / saved_per_epoch, 2) if saved_per_epoch > 0 else None,
+        "supervised_per_step": timings["cached"][1] // steps,
         "batch_size": batch_size, "samples": len(cached_set), "steps": steps,
         "draft_vocab_size": config.draft_vocab_size, "draft_vocab_coverage": coverage,
         "cache_tokens_per_s": round(int(subset.tokens.shape[0]) / cache_seconds, 1),
@@ -151,7 +167,8 @@ def run_bench_train(args) -> None:
     corpus = load_corpus(args.corpus)
     target = load_target(config.target, dtype=getattr(torch, config.target_dtype))
     result = bench_train(config, corpus, target, samples=args.samples, steps=args.steps, profile=args.profile)
-    for key in ("online_tokens_per_s", "cached_tokens_per_s", "speedup"):
+    for key in ("online_tokens_per_s", "cached_tokens_per_s", "speedup", "online_topk_tokens_per_s",
+                "cache_break_even_epochs"):
         print(f"{key:>22}: {result[key]}", file=sys.stderr)
     for row in result.get("profile", []):
         print(f"{row['share']:>7.1%} {row['self_ms']:>9.1f} ms {row['calls']:>6}×  {row['op']}", file=sys.stderr)

@@ -17,6 +17,7 @@ import torch
 from dspark.train.anchors import sample_anchors, target_positions
 from dspark.train.feature_cache import FeatureCache
 from dspark.train.losses import TopKTeacher
+from dspark.train.online_features import TargetFeatureSource
 
 
 @dataclass
@@ -46,7 +47,7 @@ class CachedBatch(Batch):
     teacher: TopKTeacher  # at the teacher positions of every block, (B, A, γ, k)
 
 
-def cached_examples(corpus, cache: FeatureCache) -> list[CachedExample]:
+def cached_examples(corpus, cache: "FeatureCache | TargetFeatureSource") -> list[CachedExample]:
     """The corpus samples as the cache holds them (cut to its max_len); samples with fewer than two
     answer tokens left are dropped (no anchor)."""
     if cache.num_samples != corpus.num_samples:
@@ -81,13 +82,14 @@ def pad_and_anchor(examples: list, seeds: list[int], num_anchors: int, pad_id: i
     return input_ids, attention_mask, answer_mask, anchors, keep
 
 
-def make_cached_batch(examples: list[CachedExample], cache: FeatureCache, layers: tuple[int, ...],
-                      seeds: list[int], num_anchors: int, block_size: int, pad_id: int,
+def make_cached_batch(examples: list[CachedExample], cache: "FeatureCache | TargetFeatureSource",
+                      layers: tuple[int, ...], seeds: list[int], num_anchors: int, block_size: int, pad_id: int,
                       device: torch.device) -> CachedBatch:
-    """Pad the examples, sample their anchors and gather features and teacher from the cache."""
+    """Pad the examples, sample their anchors and gather features and teacher from the cache (or from
+    the target, computed for these samples)."""
     input_ids, attention_mask, answer_mask, anchors, keep = pad_and_anchor(examples, seeds, num_anchors, pad_id)
     length, rows = input_ids.shape[1], len(examples)
-    samples = [cache.sample(example.index, layers) for example in examples]
+    samples = cache.samples([example.index for example in examples], layers)
     # blocks past the longest answer are padding in every row: drop them (with every answer position an
     # anchor, a fixed anchors_per_seq would mostly be padding)
     used = max(int(k.sum()) for k in keep) or 1

@@ -30,6 +30,8 @@ class TrainConfig:
     target: str = "default"
     data: str = ""  # corpus (.safetensors, `dspark data pack`) or JSONL of {"messages": [...]} / {"prompt_ids", ...}
     feature_cache: str | None = None  # directory of `dspark data features` for `data`: the target never runs
+    online_features: bool = False  # corpus `data`, the cache's features and top-k teacher computed per batch
+    top_k: int = 32  # teacher tokens per position with online_features (a cache keeps its own)
     draft_vocab_size: int | None = None  # DSpark/DFlash: draft LM head over the N most frequent answer tokens
     last_context_input: bool = False  # DSpark/DFlash: slots also read the projected feature before the anchor
     heldout_fraction: float = 0.02
@@ -87,6 +89,13 @@ class TrainConfig:
             raise DsparkError(f"autocast must be none, bfloat16 or float16, got {self.autocast!r}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
             raise DsparkError(f"draft_vocab_size must be >= 2, got {self.draft_vocab_size}")
+        if self.online_features and self.feature_cache:
+            raise DsparkError("online_features computes what feature_cache would read: set one of them, not both")
+        if self.online_features and not str(self.data).endswith(".safetensors"):
+            raise DsparkError(f"online_features needs a corpus (.safetensors, `dspark data pack`) as data, got "
+                              f"{self.data!r}")
+        if self.top_k < 1:
+            raise DsparkError(f"top_k must be >= 1, got {self.top_k}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise DsparkError(f"device must be auto, cpu or cuda, got {self.device!r}")
 

@@ -366,6 +366,10 @@ class FeatureCache:
                             torch.from_numpy(np.array(shard["topk_logits"][a:b])),
                             torch.from_numpy(np.array(shard["logsumexp"][a:b])))
 
+    def samples(self, indices: Sequence[int], layers: Sequence[int] | None = None) -> list[CachedSample]:
+        """`sample` of each index (the batched read `make_cached_batch` uses)."""
+        return [self.sample(index, layers) for index in indices]
+
     def columns(self, layers: Sequence[int]) -> list[int]:
         missing = [i for i in layers if i not in self.layers]
         if missing:

@@ -57,6 +57,7 @@ from dspark.train.losses import (
     position_weights,
     topk_block_loss,
 )
+from dspark.train.online_features import TargetFeatureSource
 
 LOG_FILE = "train_log.jsonl"
 
@@ -143,7 +144,7 @@ class Run:
     features: TargetFeatures | None  # online teacher (None with a feature cache)
     weights: LossWeights
     pad_id: int
-    cache: FeatureCache | None = None
+    cache: "FeatureCache | TargetFeatureSource | None" = None  # corpus features: read, or computed per batch
     layer_ids: tuple[int, ...] = ()
     target_to_draft: torch.Tensor | None = None  # reduced draft vocabulary
     draft_to_target: torch.Tensor | None = None
@@ -286,12 +287,12 @@ def train(config: TrainConfig, resume: str | Path | None = None,
     tokenizer = target.tokenizer
     pad_id = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
     run = Run(config, d, None, loss_weights(config), pad_id, layer_ids=layer_ids)
-    if config.feature_cache:
+    if config.feature_cache or config.online_features:
         all_examples = open_cached_data(run, config, target, drafter)
     else:
         run.features = TargetFeatures(target.model, layer_ids)
         all_examples = load_examples(config.data, tokenizer, config.seq_len)
-    if config.feature_cache:  # corpus samples have ids: a split that a growing corpus keeps
+    if config.feature_cache or config.online_features:  # corpus samples have ids: a split a growing corpus keeps
         train_ids, eval_ids = split_by_id([e.sample_id for e in all_examples], config.heldout_fraction, config.seed)
     else:
         train_ids, eval_ids = split_heldout(len(all_examples), config.heldout_fraction, config.seed)
@@ -392,19 +393,23 @@ def train(config: TrainConfig, resume: str | Path | None = None,
 
 
 def open_cached_data(run: Run, config: TrainConfig, target, drafter: nn.Module) -> list[CachedExample]:
-    """Corpus + feature cache for `config.data` / `config.feature_cache`: refuse a cache made from another
-    target or corpus, choose the reduced draft vocabulary (most frequent answer tokens) if asked."""
+    """Corpus + feature cache for `config.data` / `config.feature_cache` (or, with `online_features`, the
+    target computing the same per batch): refuse a cache made from another target or corpus, choose the
+    reduced draft vocabulary (most frequent answer tokens) if asked."""
     from dspark.train.corpus import load_corpus
     from dspark.train.feature_cache import model_fingerprint
 
     corpus = load_corpus(config.data)
-    cache = FeatureCache.open(config.feature_cache)
-    expected = {"target_fingerprint": model_fingerprint(target.model), "corpus_checksum": corpus.checksum}
-    stale = [name for name, value in expected.items() if cache.key.get(name) != value]
-    if stale:
-        raise FeatureCacheError(f"{config.feature_cache} is stale for this run: other {', '.join(stale)} "
-                                f"(built for {cache.key.get('target')!r}); rebuild it with `dspark data features`")
-    cache.columns(run.layer_ids)  # every layer the drafter reads is cached
+    if config.online_features:
+        cache = TargetFeatureSource(target.model, corpus, config.top_k, config.seq_len, run.pad_id)
+    else:
+        cache = FeatureCache.open(config.feature_cache)
+        expected = {"target_fingerprint": model_fingerprint(target.model), "corpus_checksum": corpus.checksum}
+        stale = [name for name, value in expected.items() if cache.key.get(name) != value]
+        if stale:
+            raise FeatureCacheError(f"{config.feature_cache} is stale for this run: other {', '.join(stale)} "
+                                    f"(built for {cache.key.get('target')!r}); rebuild it with `dspark data features`")
+    cache.columns(run.layer_ids)  # every layer the drafter reads is there
     run.cache = cache
     if getattr(drafter, "reduced_vocab", False):
         if not config.init_from:
