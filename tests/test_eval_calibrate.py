@@ -370,7 +370,8 @@ def test_calibrate_end_to_end(tiny_dirs, tmp_path, capsys):
 
 @pytest.fixture
 def tiny_corpus(tiny_dirs, tmp_path):
-    """A corpus of 10 answers in the tiny target's vocabulary, as `dspark data pack` writes it."""
+    """A corpus of 10 answers in the tiny target's vocabulary, as `dspark data pack` writes it (odd ones
+    from source math, even ones from sharegpt)."""
     from test_corpus import SAMPLING, line, write_jsonl
 
     from dspark.train.corpus import corpus_from_jsonl, save_corpus
@@ -378,7 +379,8 @@ def tiny_corpus(tiny_dirs, tmp_path):
     vocab = load_target(str(tiny_dirs / "target")).model.config.vocab_size
     rng = torch.Generator().manual_seed(4)
     text = "".join(line(f"s{i}", [1, *torch.randint(3, vocab, (4 + i,), generator=rng).tolist()],
-                        torch.randint(3, vocab, (6,), generator=rng).tolist()) for i in range(10))
+                        torch.randint(3, vocab, (6,), generator=rng).tolist(), source=("sharegpt", "math")[i % 2])
+                   for i in range(10))
     corpus = corpus_from_jsonl([write_jsonl(tmp_path / "regen.jsonl", text)], target="tiny", target_revision="r",
                                vocab_size=vocab, sampling=SAMPLING)
     save_corpus(tmp_path / "corpus.safetensors", corpus)
@@ -415,6 +417,19 @@ def test_eval_and_calibrate_roll_out_the_prompts_training_held_out(tiny_dirs, ti
     assert result["num_prompts"] == len(expected) and result["num_rounds"] > 0 and result["corpus"] == str(path)
     assert main(["calibrate", "--target", str(tiny_dirs / "target"), "--drafter", str(drafter)]) == 2
     assert "--corpus" in capsys.readouterr().err
+    seen.clear()  # --corpus-source: only the held-out prompts of that domain
+    math = [i for i in expected if corpus.sources[corpus.source_index[i]] == "math"]
+    assert 0 < len(math) < len(expected)
+    run_cli(capsys, "calibrate", "--drafter", drafter, *common, "--min-rounds", 1, "--dry-run",
+            "--corpus-source", "math")
+    assert seen == [corpus.prompt_ids(i).tolist() for i in math]
+    from dspark.train.heldout import of_sources
+
+    chat = [i for i in expected if i not in math]
+    mixed = of_sources(corpus, expected, ["math", "sharegpt"])  # in turn: balanced from the first prompt
+    assert mixed[:2] == [math[0], chat[0]] and sorted(mixed) == sorted(expected)
+    assert main(["calibrate", "--drafter", str(drafter), *map(str, common), "--corpus-source", "poetry"]) == 2
+    assert "no source poetry" in capsys.readouterr().err
 
 
 def test_calibrate_refuses_drafter_without_confidence_head(tiny_dirs, capsys):

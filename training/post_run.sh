@@ -9,9 +9,12 @@ RUN=$1; OUT=$2; E=../shared/eval_datasets
 mkdir -p "$OUT"
 rm -rf "$OUT/drafter"; cp -r "${FINAL:-$RUN/final}" "$OUT/drafter"
 cp "$RUN/train_log.jsonl" "$RUN/train_config.json" "$OUT/"
-# STS at T = 0 and at T = 1, each stored for its temperature, on the prompts training held out
+# STS at T = 0 and at T = 1, each stored for its temperature, on the prompts training held out, taken in turn
+# from maths, code tasks, chat and code (the first held-out prompts are mostly chat: a domain shift at T = 1)
+SOURCES=(--corpus-source math --corpus-source code-task --corpus-source sharegpt --corpus-source code)
 for T in 0 1; do
   dspark calibrate --drafter "$OUT/drafter" --corpus corpora/smollm2-135m-instruct.safetensors --num-prompts 40 \
+      "${SOURCES[@]}" \
       --max-new-tokens 128 --dtype bfloat16 --temperature $T --json > "$OUT/calibrate_T$T.json" 2> "$OUT/calibrate_T$T.err"
 done
 EVAL=(--dataset $E/math500.jsonl --dataset $E/humaneval.jsonl --dataset $E/mbpp.jsonl --dataset $E/mt-bench.jsonl

@@ -117,7 +117,7 @@ class DSparkDrafter(Drafter):
         prev_tokens = torch.cat([anchors[:, None], tokens[:, :-1]], 1)
         confidence_logits = model.confidence_logits(hidden[:, : tokens.shape[1]], prev_tokens)
         confidence = None if confidence_logits is None else model.confidence(
-            confidence_logits, [0.0 if samplings[i].greedy else samplings[i].temperature for i in live])
+            confidence_logits, [samplings[i].temperature for i in live])  # 0 = greedy
         for row, i in enumerate(live):
             n = counts[i]
             drafts[i] = Draft(tokens[row, :n], model.scatter_to_target(torch.stack(q[row])) if q[row] else None,

@@ -99,7 +99,7 @@ def run_calibrate(args: argparse.Namespace) -> dict:
     if args.plot:
         plot_calibration(args.plot, logits, outcomes, temperatures, args.num_bins)
     if not args.dry_run:
-        store_temperatures(args.drafter, temperatures, 0.0 if sampling.greedy else args.temperature)
+        store_temperatures(args.drafter, temperatures, sampling.temperature)
     result = {
         "command": "calibrate",
         "drafter": str(args.drafter),
