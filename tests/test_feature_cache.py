@@ -503,3 +503,16 @@ def test_online_features_need_a_corpus_and_no_cache():
         TrainConfig(data="c.safetensors", online_features=True, feature_cache="cache")
     with pytest.raises(DsparkError, match="top_k"):
         TrainConfig(data="c.safetensors", online_features=True, top_k=0)
+
+
+@pytest.mark.parametrize("drafter_type,layers", [("eagle3", [0, 2, 3]), ("mtp", [3])])
+def test_baselines_train_on_online_features(cached_run, drafter_type, layers):
+    """The budget-matched baselines (training/baselines.sh) train on the corpus pipeline too: full
+    vocabulary, top-k teacher, the held-out T = 0 τ measured."""
+    result = train(cached_config(cached_run, f"online_{drafter_type}", drafter_type=drafter_type,
+                                 target_layer_ids=layers, feature_cache=None, online_features=True, top_k=8,
+                                 seq_len=32, max_steps=2, save_every=2, eval_every=2, num_draft_layers=1))
+    assert result["loss"] == pytest.approx(result["ce"]) and result["conf"] == 0.0
+    assert 1.0 <= result["eval_tau_greedy"] <= 5.0
+    config = json.loads((cached_run / f"online_{drafter_type}" / "final" / "config.json").read_text())
+    assert config["dspark"]["drafter_type"] == drafter_type
