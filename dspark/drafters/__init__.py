@@ -1,4 +1,5 @@
-"""Drafter registry: `none`, `ngram`, `default` (the shipped checkpoint), or a checkpoint/model path."""
+"""Drafter registry: `none`, `ngram`, `default` (the shipped checkpoint), or a checkpoint/model path; any of
+the model drafters followed by `+ngram` drafts by prompt lookup where the text repeats (`lookup_first`)."""
 
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from dspark.drafters.files import read_config_json
 from dspark.drafters.ngram import NgramDrafter
 from dspark.errors import DrafterLoadError
 
+LOOKUP_SUFFIX = "+ngram"
 SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-dspark"
 
 __all__ = ["Draft", "Drafter", "NoDrafter", "NgramDrafter", "load_drafter", "SHIPPED_DRAFTER"]
@@ -41,6 +43,14 @@ def load_drafter(spec: str, target_model, *, ngram_max: int = 3, ngram_min: int 
     """Resolve a drafter spec against a loaded target model (HF `PreTrainedModel`).
 
     `draft_dtype` applies to DSpark/DFlash drafters; default `default_draft_dtype(target_model)`."""
+    if spec.endswith(LOOKUP_SUFFIX) and spec != LOOKUP_SUFFIX.lstrip("+"):
+        from dspark.drafters.lookup_first import LookupFirstDrafter
+
+        model = load_drafter(spec.removesuffix(LOOKUP_SUFFIX), target_model, draft_dtype=draft_dtype)
+        if isinstance(model, NoDrafter | NgramDrafter):
+            raise DrafterLoadError(f"{spec!r}: +ngram completes a model drafter (default or a checkpoint), "
+                                   "not none or ngram")
+        return LookupFirstDrafter(model)
     if spec == "none":
         return NoDrafter()
     if spec == "ngram":
@@ -51,7 +61,8 @@ def load_drafter(spec: str, target_model, *, ngram_max: int = 3, ngram_min: int 
         return NgramDrafter(max_ngram=ngram_max, min_ngram=ngram_min)
     path = Path(spec).expanduser()
     if not path.is_dir():
-        raise DrafterLoadError(f"drafter must be none, ngram, default or a checkpoint directory; not found: {spec}")
+        raise DrafterLoadError(f"drafter must be none, ngram, default or a checkpoint directory (optionally followed "
+                               f"by +ngram); not found: {spec}")
     kind = _checkpoint_kind(read_config_json(path))
     if kind in ("dspark", "dflash"):
         from dspark.drafters.checkpoint import load_dspark
