@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.drafters import Drafter, load_drafter
+from dspark.drafters import DEFAULT_DRAFTER, Drafter, load_drafter
 from dspark.engine import Engine, Request
 from dspark.errors import DsparkError
 from dspark.factory import build_engine
@@ -78,7 +78,7 @@ def stream(
     prompt: str | Messages,
     *,
     target: TargetSpec | LoadedTarget = "default",
-    drafter: str | Drafter = "default",
+    drafter: str | Drafter = DEFAULT_DRAFTER,
     max_new_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,

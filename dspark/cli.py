@@ -18,9 +18,13 @@ def _positive_int(text: str) -> int:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
+    from dspark.drafters import DEFAULT_DRAFTER
+
     parser.add_argument("--target", default="default",
                         help="HF model directory, offline hub id, GGUF file, or 'default' (SmolLM2-135M-Instruct)")
-    parser.add_argument("--drafter", default="default", help="none | ngram | default | PATH to a drafter checkpoint")
+    parser.add_argument("--drafter", default=DEFAULT_DRAFTER,
+                        help=f"none | ngram | default | PATH to a drafter checkpoint; default or PATH followed by "
+                             f"+ngram drafts by prompt lookup where the text repeats (default: {DEFAULT_DRAFTER})")
     add_dtype_arg(parser)
 
 
@@ -112,7 +116,9 @@ def add_bench_parser(subparsers) -> None:
     draft.set_defaults(handler=run_bench_draft)
     load = bench.add_parser("load", help="throughput vs concurrency for every scheduling policy (engine)")
     load.add_argument("--target", default="default")
-    load.add_argument("--drafter", default="default")
+    from dspark.drafters import DEFAULT_DRAFTER
+
+    load.add_argument("--drafter", default=DEFAULT_DRAFTER)
     load.add_argument("--dataset", action="append", default=None,
                       help="prompt JSONL (repeatable; default ../shared/eval_datasets/mt-bench.jsonl)")
     load.add_argument("--max-concurrency", type=_positive_int, default=8)

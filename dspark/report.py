@@ -285,7 +285,8 @@ def add_report_parser(subparsers) -> None:
     parser = subparsers.add_parser("report", help="regenerate docs/RESULTS.md and its figures from one run")
     parser.add_argument("--target", default="default")
     parser.add_argument("--drafter", action="append", default=None,
-                        help="NAME=SPEC drafters to compare (repeatable; default dspark=default and ngram=ngram)")
+                        help="NAME=SPEC drafters to compare (repeatable; default dspark=default, lookup=default+ngram "
+                             "and ngram=ngram)")
     parser.add_argument("--dataset", action="append", default=None,
                         help="prompt JSONL (repeatable; default math500, humaneval, mbpp, mt-bench from "
                              "../shared/eval_datasets)")
@@ -311,7 +312,7 @@ def run_report(args: argparse.Namespace) -> dict:
 
     if args.num_prompts <= 0 or args.max_new_tokens <= 0:
         raise DsparkError("--num-prompts and --max-new-tokens must be > 0")
-    specs = dict(_name_spec(s) for s in (args.drafter or ["dspark=default", "ngram=ngram"]))
+    specs = dict(_name_spec(s) for s in (args.drafter or ["dspark=default", "lookup=default+ngram", "ngram=ngram"]))
     paths = args.dataset or [str(default_dataset(name)) for name in DEFAULT_DATASETS]
     args.temperature = args.temperature or [0.0, 1.0]
     out = Path(args.out)

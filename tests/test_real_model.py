@@ -96,3 +96,17 @@ def test_shipped_drafter_is_lossless_and_calibrated(default_target):
             result = generate(prompt, target=default_target, drafter=drafter, max_new_tokens=48, scheduler=scheduler)
             assert result.token_ids == reference
         assert result.stats.position_attempts[0] > 0
+
+
+def test_product_default_is_lookup_first_and_lossless(default_target):
+    """`generate` without a drafter drafts with the shipped checkpoint plus prompt lookup: HF's greedy output."""
+    from dspark.drafters import DEFAULT_DRAFTER, load_drafter
+    from dspark.drafters.dspark_drafter import DSparkDrafter
+    from dspark.drafters.lookup_first import LookupFirstDrafter
+
+    drafter = load_drafter(DEFAULT_DRAFTER, default_target.model)
+    assert isinstance(drafter, LookupFirstDrafter) and isinstance(drafter.model, DSparkDrafter)
+    for prompt in prompts()[:2]:
+        ids = prompt_ids(default_target, prompt)
+        reference = hf_reference(default_target, ids, 64)
+        assert generate(prompt, target=default_target, max_new_tokens=64, scheduler="fixed").token_ids == reference

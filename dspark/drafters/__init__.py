@@ -11,9 +11,12 @@ from dspark.drafters.ngram import NgramDrafter
 from dspark.errors import DrafterLoadError
 
 LOOKUP_SUFFIX = "+ngram"
+#: what `generate`, `serve`, the API and `bench load` draft with unless told: the shipped DSpark drafter, with
+#: prompt lookup where the text repeats (session 9, 4 humaneval prompts: τ 2.81 vs 1.77, 2.34x vs 1.66x HF)
+DEFAULT_DRAFTER = "default" + LOOKUP_SUFFIX
 SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-dspark"
 
-__all__ = ["Draft", "Drafter", "NoDrafter", "NgramDrafter", "load_drafter", "SHIPPED_DRAFTER"]
+__all__ = ["Draft", "Drafter", "NoDrafter", "NgramDrafter", "load_drafter", "SHIPPED_DRAFTER", "DEFAULT_DRAFTER"]
 
 
 def _checkpoint_kind(config: dict) -> str:

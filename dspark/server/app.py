@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dspark.drafters import DEFAULT_DRAFTER
 from dspark.engine import GenerationFailed
 from dspark.engine import Request as EngineRequest
 from dspark.errors import DsparkError
@@ -379,7 +380,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=500)
 
 
-def build_server(target: TargetSpec = "default", drafter: str = "default", *, scheduler: str = "dspark",
+def build_server(target: TargetSpec = "default", drafter: str = DEFAULT_DRAFTER, *, scheduler: str = "dspark",
                  max_concurrency: int = 8, max_queue: int = 64, block_size: int | None = None,
                  api_key: str | None = None, served_model_name: str | None = None,
                  prefill_chunk: int = 512, limits: ServerLimits | None = None, public_metrics: bool = False,
