@@ -255,8 +255,9 @@ def add_serve_parser(subparsers) -> None:
     add_model_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     parser.add_argument("--port", type=_positive_int, default=8000)
-    parser.add_argument("--scheduler", default="dspark",
-                        help="dspark | dspark-async | threshold[-t] | fixed | fixed-<n> | none")
+    parser.add_argument("--scheduler", default="dspark-async",
+                        help="dspark | dspark-async (default: under load it skips drafting for rounds it will not "
+                             "verify) | threshold[-t] | fixed | fixed-<n> | none")
     parser.add_argument("--max-concurrency", type=_positive_int, default=8, help="requests decoded together")
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond that; more get 429")
     parser.add_argument("--block-size", type=_positive_int, default=None)

@@ -221,6 +221,10 @@ class Engine:
         return self.waiting[0] if self.waiting else None
 
     def _admit(self) -> None:
+        if self.waiting and not self.running:
+            # an idle engine forgets the rounds of earlier requests: what dspark-async schedules (and so how
+            # a seeded sampled request draws) then depends only on the requests decoded together
+            self.scheduler_state = SchedulerState()
         while self.waiting and len(self.running) < self.max_concurrency:
             request = self.waiting.popleft()
             request.slot = self.backend.allocate()

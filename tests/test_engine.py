@@ -251,6 +251,22 @@ def test_dspark_async_skips_drafting_when_its_capacity_is_zero(confidence):
         assert drafter.proposals >= rounds - 1 and rounds < 30  # the last round may have no tokens left to draft
 
 
+def test_an_idle_engine_reproduces_a_seeded_sampled_request_under_dspark_async():
+    """dspark-async schedules from the rounds before; an engine that has drained forgets them, so the same
+    seeded sampled request run again alone draws the same tokens (the server's `seed` relies on it)."""
+    target_table, draft_table = random_tables(8, seed=3)
+    steep = SPSTable(tuple(1.0 / (1.0 + 0.12 * b) for b in range(1, 40)))
+    engine = Engine(SerialBackend([MarkovTarget(target_table)]), ConfidentMarkovDrafter(draft_table), block_size=4,
+                    scheduler="dspark-async", sps=steep)
+    params = SamplingParams(temperature=1.0)
+    runs = []
+    for _ in range(3):
+        request = Request(torch.tensor([0]), 40, params, make_generator(7))
+        engine.run([request])
+        runs.append(request.output_ids)
+    assert runs[0] == runs[1] == runs[2]
+
+
 # ---------------------------------------------------------------------------- fault isolation
 
 

@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_model
 from safetensors.torch import load_file
 
-from dspark.train.cached_data import answer_mask, cached_examples, make_cached_batch, token_counts
+from dspark.train.cached_data import CachedExample, answer_mask, cached_examples, make_cached_batch, token_counts
 from dspark.train.checkpointing import STATE_FILE, checkpoints
 from dspark.train.corpus import Corpus, save_corpus
 from dspark.train.feature_cache import (
@@ -516,3 +516,15 @@ def test_baselines_train_on_online_features(cached_run, drafter_type, layers):
     assert 1.0 <= result["eval_tau_greedy"] <= 5.0
     config = json.loads((cached_run / f"online_{drafter_type}" / "final" / "config.json").read_text())
     assert config["dspark"]["drafter_type"] == drafter_type
+
+
+def test_split_seed_keeps_the_heldout_split_under_a_new_seed(cached_run):
+    """A run continued on another seed (fresh data order) keeps the held-out answers of the run it continues
+    with split_seed; without it the split moves (and answers held out before would be trained on)."""
+    from dspark.train.trainer import split_examples
+
+    examples = [CachedExample(i, [], 0, f"sample-{i}") for i in range(400)]
+    base = split_examples(cached_config(cached_run, "x"), examples)
+    assert split_examples(cached_config(cached_run, "x", seed=5, split_seed=0), examples) == base
+    assert split_examples(cached_config(cached_run, "x", seed=5), examples)[1] != base[1]
+    assert 0 < len(base[1]) < len(examples)

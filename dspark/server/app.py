@@ -380,7 +380,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=500)
 
 
-def build_server(target: TargetSpec = "default", drafter: str = DEFAULT_DRAFTER, *, scheduler: str = "dspark",
+def build_server(target: TargetSpec = "default", drafter: str = DEFAULT_DRAFTER, *,
+                 scheduler: str = "dspark-async",
                  max_concurrency: int = 8, max_queue: int = 64, block_size: int | None = None,
                  api_key: str | None = None, served_model_name: str | None = None,
                  prefill_chunk: int = 512, limits: ServerLimits | None = None, public_metrics: bool = False,

@@ -53,7 +53,8 @@ class TrainConfig:
     decay_lambda: float = 4.0  # λ of the position weights w_k = exp(-(k-1)/λ)
     ce_first_steps: int = 0  # steps of cross-entropy (+ confidence BCE) before the configured mix
     # -- run -----------------------------------------------------------------------------------
-    seed: int = 0
+    seed: int = 0  # initialisation, data order, anchors
+    split_seed: int | None = None  # the held-out split (None: seed); keep it when a run continues another on a new seed
     output_dir: str = "runs/dspark"
     save_every: int = 100
     eval_every: int = 100

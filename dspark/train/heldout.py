@@ -24,7 +24,7 @@ def add_heldout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", default=None,
                         help="roll out the prompts a `dspark train` run held out of this corpus (exact token ids)")
     parser.add_argument("--heldout-fraction", type=float, default=0.01, help="as the training run's")
-    parser.add_argument("--split-seed", type=int, default=0, help="the training run's seed")
+    parser.add_argument("--split-seed", type=int, default=0, help="the training run's split_seed (its seed when unset)")
     parser.add_argument("--max-len", type=int, default=1024, help="the feature cache's max_len")
     parser.add_argument("--corpus-source", action="append", default=[], metavar="NAME",
                         help="only the held-out prompts of this corpus source (repeatable; e.g. math, code-task: "

@@ -292,10 +292,7 @@ def train(config: TrainConfig, resume: str | Path | None = None,
     else:
         run.features = TargetFeatures(target.model, layer_ids)
         all_examples = load_examples(config.data, tokenizer, config.seq_len)
-    if config.feature_cache or config.online_features:  # corpus samples have ids: a split a growing corpus keeps
-        train_ids, eval_ids = split_by_id([e.sample_id for e in all_examples], config.heldout_fraction, config.seed)
-    else:
-        train_ids, eval_ids = split_heldout(len(all_examples), config.heldout_fraction, config.seed)
+    train_ids, eval_ids = split_examples(config, all_examples)
     train_set = [all_examples[i] for i in train_ids]
     eval_set = [all_examples[i] for i in eval_ids]
 
@@ -390,6 +387,15 @@ def train(config: TrainConfig, resume: str | Path | None = None,
     d.barrier()
     d.close()
     return {**metrics, **eval_metrics}
+
+
+def split_examples(config: TrainConfig, examples: list) -> tuple[list[int], list[int]]:
+    """(training, held-out) indices of `examples`, seeded by split_seed (seed when unset): corpus samples by
+    their ids (a split a growing corpus keeps), JSONL examples by their count."""
+    seed = config.seed if config.split_seed is None else config.split_seed
+    if config.feature_cache or config.online_features:
+        return split_by_id([e.sample_id for e in examples], config.heldout_fraction, seed)
+    return split_heldout(len(examples), config.heldout_fraction, seed)
 
 
 def open_cached_data(run: Run, config: TrainConfig, target, drafter: nn.Module) -> list[CachedExample]:
