@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 
 from dspark.cli_args import add_dtype_arg
+from dspark.drafters import DEFAULT_DRAFTER
 from dspark.errors import DsparkError
 
 
@@ -18,8 +19,6 @@ def _positive_int(text: str) -> int:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    from dspark.drafters import DEFAULT_DRAFTER
-
     parser.add_argument("--target", default="default",
                         help="HF model directory, offline hub id, GGUF file, or 'default' (SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=DEFAULT_DRAFTER,
@@ -116,8 +115,6 @@ def add_bench_parser(subparsers) -> None:
     draft.set_defaults(handler=run_bench_draft)
     load = bench.add_parser("load", help="throughput vs concurrency for every scheduling policy (engine)")
     load.add_argument("--target", default="default")
-    from dspark.drafters import DEFAULT_DRAFTER
-
     load.add_argument("--drafter", default=DEFAULT_DRAFTER)
     load.add_argument("--dataset", action="append", default=None,
                       help="prompt JSONL (repeatable; default ../shared/eval_datasets/mt-bench.jsonl)")

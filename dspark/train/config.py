@@ -100,6 +100,12 @@ class TrainConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise DsparkError(f"device must be auto, cpu or cuda, got {self.device!r}")
 
+    @property
+    def reads_corpus(self) -> bool:
+        """The corpus pipeline (top-k teacher, sample ids), its features read from a cache or computed per batch;
+        otherwise JSONL conversations with the full-vocabulary online teacher."""
+        return bool(self.feature_cache) or self.online_features
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

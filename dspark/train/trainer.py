@@ -287,7 +287,7 @@ def train(config: TrainConfig, resume: str | Path | None = None,
     tokenizer = target.tokenizer
     pad_id = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
     run = Run(config, d, None, loss_weights(config), pad_id, layer_ids=layer_ids)
-    if config.feature_cache or config.online_features:
+    if config.reads_corpus:
         all_examples = open_cached_data(run, config, target, drafter)
     else:
         run.features = TargetFeatures(target.model, layer_ids)
@@ -393,7 +393,7 @@ def split_examples(config: TrainConfig, examples: list) -> tuple[list[int], list
     """(training, held-out) indices of `examples`, seeded by split_seed (seed when unset): corpus samples by
     their ids (a split a growing corpus keeps), JSONL examples by their count."""
     seed = config.seed if config.split_seed is None else config.split_seed
-    if config.feature_cache or config.online_features:
+    if config.reads_corpus:
         return split_by_id([e.sample_id for e in examples], config.heldout_fraction, seed)
     return split_heldout(len(examples), config.heldout_fraction, seed)
 
