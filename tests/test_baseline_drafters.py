@@ -23,11 +23,26 @@ def target_model():
     return tiny_model("llama", num_layers=4)
 
 
+DRAFT_VOCAB = 64  # the "-vocab" kinds: an EAGLE-3-style reduced draft vocabulary of 64 of the 96 ids
+
+
+def base_kind(kind: str) -> str:
+    return kind.removesuffix("-vocab")
+
+
 def make_drafter(kind: str, target_model, seed: int = 0):
     torch.manual_seed(seed)
-    if kind == "eagle3":
-        return Eagle3Drafter(Eagle3Model.for_target(target_model, num_speculative_tokens=GAMMA))
-    return MTPDrafter(MTPModel.for_target(target_model, num_modules=2, num_speculative_tokens=GAMMA))
+    draft_vocab_size = DRAFT_VOCAB if kind.endswith("-vocab") else None
+    if base_kind(kind) == "eagle3":
+        drafter = Eagle3Drafter(Eagle3Model.for_target(target_model, num_speculative_tokens=GAMMA,
+                                                       draft_vocab_size=draft_vocab_size))
+    else:
+        drafter = MTPDrafter(MTPModel.for_target(target_model, num_modules=2, num_speculative_tokens=GAMMA,
+                                                 draft_vocab_size=draft_vocab_size))
+    if draft_vocab_size:  # a scattered subset, so draft ids and target ids differ
+        subset = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:DRAFT_VOCAB]
+        drafter.model.set_draft_vocab(subset)
+    return drafter
 
 
 class Recording:
@@ -69,7 +84,7 @@ def decoded_state(kind, target_model):
     return drafter.drafter, drafter.state, context
 
 
-KINDS = ["eagle3", "mtp"]
+KINDS = ["eagle3", "mtp", "eagle3-vocab", "mtp-vocab"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -92,7 +107,8 @@ def test_training_forward_matches_inference(target_model, kind):
     with torch.no_grad():
         logits = drafter.model(feats[None], ids[None], GAMMA)
     anchor_feature = context.shape[0] - 2
-    expected = torch.stack([step[0, anchor_feature].float().softmax(-1) for step in logits])
+    expected = torch.stack([drafter.model.scatter_to_target(step[0, anchor_feature].float().softmax(-1))
+                            for step in logits])
     torch.testing.assert_close(draft.q, expected, atol=1e-5, rtol=1e-4)
 
 
@@ -112,7 +128,7 @@ def test_incremental_cache_equals_recompute(target_model, kind):
         assert grown.length == recomputed.length > 0
         for a, b in zip(grown.keys_values(), recomputed.keys_values(), strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-    if kind == "mtp":
+    if base_kind(kind) == "mtp":
         for grown, recomputed in zip(state.inputs, fresh.inputs, strict=True):
             torch.testing.assert_close(grown, recomputed, atol=1e-5, rtol=1e-4)
 
@@ -134,6 +150,9 @@ def test_sampled_q_rows_are_distributions(target_model, kind):
     assert (first.q[torch.arange(GAMMA), first.tokens] > 0).all()
     assert (first.q.max(-1).values < 1).any(), "T > 0 must not draft greedily"
     assert torch.equal(draft(3).tokens, first.tokens)
+    if drafter.model.reduced_vocab:  # q is zero outside the draft vocabulary, the tokens are target ids inside it
+        assert (first.q[:, ~drafter.model.t2d] == 0).all()
+        assert drafter.model.t2d[first.tokens].all()
 
     state = drafter.start(prompt[:-1], features(target_model, drafter, prompt[:-1]))
     greedy = drafter.propose(state, prompt, GAMMA, SamplingParams(), None)
@@ -145,9 +164,12 @@ def test_save_load_bit_exact(target_model, kind, tmp_path):
     drafter = make_drafter(kind, target_model, seed=5)
     drafter.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["dspark"]["drafter_type"] == kind
-    assert config["architectures"] == [{"eagle3": "Eagle3LlamaForCausalLM", "mtp": "DSparkMTPModel"}[kind]]
-    assert not any("embed" in name or "lm_head" in name for name in load_file(tmp_path / "model.safetensors"))
+    assert config["dspark"]["drafter_type"] == base_kind(kind)
+    assert config["architectures"] == [{"eagle3": "Eagle3LlamaForCausalLM", "mtp": "DSparkMTPModel"}[base_kind(kind)]]
+    stored = load_file(tmp_path / "model.safetensors")
+    assert not any("embed" in name or "lm_head" in name for name in stored)
+    assert config.get("draft_vocab_size") == drafter.config.draft_vocab_size  # absent for the full vocabulary
+    assert ("d2t" in stored) == ("t2d" in stored) == drafter.model.reduced_vocab
 
     for target in (target_model, Target(target_model)):
         loaded = type(drafter).from_pretrained(tmp_path, target)
@@ -191,12 +213,12 @@ def test_load_refuses_mismatch_and_damage(target_model, kind, tmp_path):
         vocab_size=VOCAB + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2))
     shallow = tiny_model("llama", num_layers=2)  # MTP reads layer 3; EAGLE-3's default ids fit
-    for other in (narrow, wide_vocab) + ((shallow,) if kind == "mtp" else ()):
+    for other in (narrow, wide_vocab) + ((shallow,) if base_kind(kind) == "mtp" else ()):
         with pytest.raises(DrafterLoadError):
             loader(tmp_path, other)
 
     other_kind = tmp_path / "other"
-    make_drafter("mtp" if kind == "eagle3" else "eagle3", target_model).save_pretrained(other_kind)
+    make_drafter("mtp" if base_kind(kind) == "eagle3" else "eagle3", target_model).save_pretrained(other_kind)
     with pytest.raises(DrafterLoadError, match="not"):
         loader(other_kind, target_model)
 
@@ -225,15 +247,21 @@ def test_trained_drafter_is_accepted(target_model, kind):
         sequences = target_model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=24,
                                           do_sample=False)
     drafter = make_drafter(kind, target_model)
+    model = drafter.model
+    if model.reduced_vocab:  # the continuations' tokens, then the most frequent others: as the trainer chooses
+        counts = torch.bincount(sequences[:, 4:].flatten(), minlength=VOCAB)
+        model.set_draft_vocab(torch.sort(-counts.double(), stable=True).indices[:DRAFT_VOCAB])
+    labels = model.to_draft_ids(sequences)
     ids = drafter.target_layer_ids
     with torch.no_grad():
         hidden_states = target_model(sequences, output_hidden_states=True).hidden_states
     feats = torch.cat([hidden_states[i + 1] for i in ids], -1)  # DeepSpec id i = HF hidden_states[i + 1]
-    optimizer = torch.optim.Adam(drafter.model.parameters(), lr=1e-2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(60):
         loss = sum(
-            torch.nn.functional.cross_entropy(step[:, : -j - 2].reshape(-1, VOCAB), sequences[:, j + 2 :].reshape(-1))
-            for j, step in enumerate(drafter.model(feats, sequences, GAMMA))
+            torch.nn.functional.cross_entropy(step[:, : -j - 2].reshape(-1, model.draft_vocab_size),
+                                              labels[:, j + 2 :].reshape(-1), ignore_index=-1)
+            for j, step in enumerate(model(feats, sequences, GAMMA))
         )
         optimizer.zero_grad()
         loss.backward()
@@ -246,3 +274,22 @@ def test_trained_drafter_is_accepted(target_model, kind):
                                 generator=None, block_size=GAMMA, stats=stats)
     assert [token for chunk in chunks for token in chunk] == sequences[0, 4:24].tolist()
     assert stats.tau >= 3.0, stats.to_dict()
+
+
+@pytest.mark.parametrize("kind", ["eagle3-vocab", "mtp-vocab"])
+def test_load_refuses_a_bad_draft_vocabulary(target_model, kind, tmp_path):
+    """A d2t / t2d that does not name `draft_vocab_size` distinct ids would draft other tokens than the ones
+    learnt: refused with a clear error, as for DSpark checkpoints."""
+    from safetensors.torch import save_file
+
+    make_drafter(kind, target_model).save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    good = load_file(path)
+    duplicate = good["d2t"].clone()
+    duplicate[1] = duplicate[0] - 1  # draft ids 0 and 1 -> the same target id
+    for change, message in [({"d2t": good["d2t"][:-1]}, "entries"), ({"d2t": duplicate}, "d2t is invalid"),
+                            ({"t2d": ~good["t2d"]}, "does not match"), ({"d2t": None}, "no d2t")]:
+        weights = {**good, **change}
+        save_file({name: tensor for name, tensor in weights.items() if tensor is not None}, str(path))
+        with pytest.raises(DrafterLoadError, match=message):
+            type(make_drafter(kind, target_model)).from_pretrained(tmp_path, target_model)

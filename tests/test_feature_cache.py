@@ -505,17 +505,31 @@ def test_online_features_need_a_corpus_and_no_cache():
         TrainConfig(data="c.safetensors", online_features=True, top_k=0)
 
 
+@pytest.mark.parametrize("draft_vocab_size", [None, 40])
 @pytest.mark.parametrize("drafter_type,layers", [("eagle3", [0, 2, 3]), ("mtp", [3])])
-def test_baselines_train_on_online_features(cached_run, drafter_type, layers):
-    """The budget-matched baselines (training/baselines.sh) train on the corpus pipeline too: full
-    vocabulary, top-k teacher, the held-out T = 0 τ measured."""
-    result = train(cached_config(cached_run, f"online_{drafter_type}", drafter_type=drafter_type,
+def test_baselines_train_on_online_features(cached_run, drafter_type, layers, draft_vocab_size):
+    """The budget-matched baselines (training/baselines.sh) train on the corpus pipeline too: full or
+    reduced vocabulary, top-k teacher, the held-out T = 0 τ measured; the checkpoint drafts from the
+    vocabulary the trainer chose (the most frequent answer tokens)."""
+    from dspark.drafters import load_drafter
+    from dspark.loading import load_target
+    from dspark.train.corpus import load_corpus
+
+    out = f"online_{drafter_type}_{draft_vocab_size}"
+    result = train(cached_config(cached_run, out, drafter_type=drafter_type, draft_vocab_size=draft_vocab_size,
                                  target_layer_ids=layers, feature_cache=None, online_features=True, top_k=8,
                                  seq_len=32, max_steps=2, save_every=2, eval_every=2, num_draft_layers=1))
     assert result["loss"] == pytest.approx(result["ce"]) and result["conf"] == 0.0
     assert 1.0 <= result["eval_tau_greedy"] <= 5.0
-    config = json.loads((cached_run / f"online_{drafter_type}" / "final" / "config.json").read_text())
+    config = json.loads((cached_run / out / "final" / "config.json").read_text())
     assert config["dspark"]["drafter_type"] == drafter_type
+    assert config.get("draft_vocab_size") == draft_vocab_size
+    drafter = load_drafter(str(cached_run / out / "final"), load_target(str(cached_run / "target")).model)
+    assert drafter.model.draft_vocab_size == (draft_vocab_size or 96)
+    if draft_vocab_size:
+        counts = token_counts(load_corpus(cached_run / "corpus.safetensors"), 96)
+        most = np.argsort(-counts, kind="stable")[:20]
+        assert set(most.tolist()) <= set(drafter.model.draft_to_target().tolist())
 
 
 def test_split_seed_keeps_the_heldout_split_under_a_new_seed(cached_run):

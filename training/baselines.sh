@@ -2,23 +2,28 @@
 # Budget-matched drafters (issue 12, item 7): DSpark, DFlash, EAGLE-3 and MTP-1 trained on the committed corpus
 # with the same batches, anchors and steps (online features: no cache to build), then evaluated as post_run.sh does.
 #   training/baselines.sh OUT_DIR TYPE...     e.g. training/baselines.sh training/matched dspark dflash
+#   THREADS=n (default 2): torch threads per run (two runs side by side: THREADS=1 each).
 #   STEPS=n (default 620): 620 steps x 4 sequences x every answer position ~ 3.2M supervised positions each,
 #   10x the session-5 round (120 steps x 8 sequences x 48 anchors x 7 positions = 322,560).
 # Runs resume (--resume latest) when their output directory holds checkpoints, so a session may stop between or
 # inside runs. Each drafter gets its own recipe's defaults: DSpark / DFlash start from the target's top layers
-# with the reduced 8k draft vocabulary (the shipped recipe); EAGLE-3 (layers 1 / 14 / 27) and MTP-1 (the last
-# layer) predict the full vocabulary with cross-entropy, as they are published.
+# (the shipped recipe); EAGLE-3 (layers 1 / 14 / 27) and MTP-1 (the last layer) start from random weights and
+# learn with cross-entropy, as they are published. All four predict the same reduced draft vocabulary (the 8,192
+# most frequent answer tokens; EAGLE-3 publishes one too), so they differ only in architecture and loss, and the
+# baselines' full-vocabulary LM head does not make their steps 6x dearer. VOCAB=full gives EAGLE-3 / MTP the
+# full vocabulary instead.
 set -euo pipefail
-OUT=$1; shift; E=../shared/eval_datasets; STEPS=${STEPS:-620}
+OUT=$1; shift; E=../shared/eval_datasets; STEPS=${STEPS:-620}; THREADS=${THREADS:-2}
+BASELINE_VOCAB=(); if [ "${VOCAB:-}" = full ]; then BASELINE_VOCAB=(draft_vocab_size=null); fi
 mkdir -p "$OUT"
 COMMON=(--config configs/smollm2-dspark-cached.yaml feature_cache=null online_features=true seq_len=1024
-        max_steps=$STEPS warmup_steps=50 save_every=50 eval_every=$STEPS keep_checkpoints=1 threads=2)
+        max_steps=$STEPS warmup_steps=50 save_every=50 eval_every=$STEPS keep_checkpoints=1 threads=$THREADS)
 for TYPE in "$@"; do
   case $TYPE in
     dspark|dflash) EXTRA=(drafter_type=$TYPE) ;;
-    eagle3) EXTRA=(drafter_type=eagle3 "target_layer_ids=[1,14,27]" draft_vocab_size=null init_from_target=false
+    eagle3) EXTRA=(drafter_type=eagle3 "target_layer_ids=[1,14,27]" "${BASELINE_VOCAB[@]}" init_from_target=false
                    last_context_input=false ce_first_steps=0 num_draft_layers=1) ;;
-    mtp) EXTRA=(drafter_type=mtp "target_layer_ids=[29]" draft_vocab_size=null init_from_target=false
+    mtp) EXTRA=(drafter_type=mtp "target_layer_ids=[29]" "${BASELINE_VOCAB[@]}" init_from_target=false
                 last_context_input=false ce_first_steps=0 num_draft_layers=1) ;;
     *) echo "unknown drafter type $TYPE (dspark, dflash, eagle3, mtp)" >&2; exit 2 ;;
   esac
@@ -28,7 +33,7 @@ for TYPE in "$@"; do
     dspark train "${COMMON[@]}" "${EXTRA[@]}" output_dir=$RUN "${RESUME[@]}" 2> "$OUT/${TYPE}_train.err"
   fi
   cp "$RUN/train_log.jsonl" "$OUT/${TYPE}_train_log.jsonl"
-  dspark eval --drafter "$RUN/final" --dataset $E/math500.jsonl --dataset $E/humaneval.jsonl --dataset $E/mbpp.jsonl \
+  OMP_NUM_THREADS=$THREADS dspark eval --drafter "$RUN/final" --dataset $E/math500.jsonl --dataset $E/humaneval.jsonl --dataset $E/mbpp.jsonl \
       --dataset $E/mt-bench.jsonl --num-prompts 4 --max-new-tokens 96 --dtype bfloat16 --temperature 0 --json \
       > "$OUT/${TYPE}_eval_T0.json" 2> "$OUT/${TYPE}_eval_T0.err"
 done

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dspark.drafters.base import Drafter
+from dspark.drafters.draft_vocab import DraftVocabMixin, check_draft_vocab_size, check_draft_vocab_weights
 from dspark.drafters.files import CONFIG_FILE, WEIGHTS_FILE, read_config_json, read_weights
 from dspark.drafters.layers import DraftShape, target_layer_shape
 from dspark.errors import DrafterLoadError
@@ -36,9 +37,15 @@ class DraftLayerConfig(DraftShape):
     target_layer_ids: tuple[int, ...] = ()
     #: block size γ: TTT steps / MTP depths the drafter is trained for (and drafts at most, for MTP).
     num_speculative_tokens: int = 7
+    #: EAGLE-3's reduced draft vocabulary (`DraftVocabMixin`): the drafter predicts only this many target ids.
+    #: None = the full vocabulary.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        if self.draft_vocab_size is not None:
+            self.draft_vocab_size = int(self.draft_vocab_size)
+        check_draft_vocab_size(self.draft_vocab_size, self.vocab_size)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.num_speculative_tokens < 1:
@@ -68,6 +75,8 @@ class DraftLayerConfig(DraftShape):
     def to_dict(self) -> dict:
         values = asdict(self)
         values["target_layer_ids"] = list(self.target_layer_ids)
+        if values["draft_vocab_size"] is None:  # full-vocabulary configs stay what other loaders expect
+            del values["draft_vocab_size"]
         return values
 
     @classmethod
@@ -85,9 +94,10 @@ def target_parts(target: Any) -> tuple[nn.Module, nn.Module, Any]:
     return model.get_input_embeddings(), model.get_output_embeddings(), model.config.get_text_config()
 
 
-class SharedHeadsMixin:
+class SharedHeadsMixin(DraftVocabMixin):
     """Uses the target's embedding and LM head without owning them: they are kept in a plain tuple,
-    so they are neither registered, saved, trained nor moved with the drafter."""
+    so they are neither registered, saved, trained nor moved with the drafter. The head's logits are
+    over the draft vocabulary (all of the target's without `draft_vocab_size`)."""
 
     _shared: tuple[nn.Module, nn.Module]
 
@@ -95,8 +105,7 @@ class SharedHeadsMixin:
         return self._shared[0](input_ids).to(self.dtype)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self._shared[1]
-        return head(hidden.to(head.weight.dtype))
+        return self.draft_logits(hidden, self._shared[1])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,6 +164,7 @@ def build_for_target(model_cls: type, config: DraftLayerConfig, target: Any,
         raise DrafterLoadError(f"target layer ids {config.target_layer_ids} do not fit a {num_layers}-layer target")
     model = model_cls(config, embed, lm_head).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
     if weights is not None:
+        check_draft_vocab_weights(weights, config.draft_vocab_size, config.vocab_size, "checkpoint")
         try:
             model.load_state_dict(weights, strict=True)
         except RuntimeError as error:
@@ -234,9 +244,10 @@ class BaselineDrafter(Drafter):
                 f"{context_length - 1}: commit the features of every position that entered the target cache"
             )
 
-    @staticmethod
-    def draw(logits: torch.Tensor, sampling: SamplingParams,
+    def draw(self, logits: torch.Tensor, sampling: SamplingParams,
              generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token, q): the processed distribution of `logits` and a token drawn from exactly it."""
+        """(token, q): the processed distribution of `logits` (over the draft vocabulary) and a token drawn
+        from exactly it, as a target id and a distribution over the target's vocabulary."""
         probs = probabilities(logits, sampling)
-        return pick_token(probs, sampling, generator), probs
+        token = pick_token(probs, sampling, generator)
+        return self.model.to_target_ids(token), self.model.scatter_to_target(probs)

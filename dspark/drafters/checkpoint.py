@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from dspark.drafters.draft_vocab import check_draft_vocab_weights
 from dspark.drafters.dspark import DSparkModel
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.dspark_drafter import DSparkDrafter
 from dspark.drafters.files import CONFIG_FILE, WEIGHTS_FILE, read_config_json, read_weights
-from dspark.drafters.vocab import check_target_ids, ids_from_offsets, t2d_mask
 from dspark.errors import DrafterLoadError
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -159,30 +159,6 @@ def save_pretrained(
     (path / CONFIG_FILE).write_text(json.dumps(config_to_dict(model.config, dtype), indent=2) + "\n")
 
 
-def _check_draft_vocab(weights: dict[str, torch.Tensor], config: DSparkConfig, path: Path) -> None:
-    """Refuse d2t/t2d that do not describe `draft_vocab_size` distinct ascending target ids: a wrong map
-    would silently draft other tokens than the ones the drafter learnt (still lossless, but useless)."""
-    if config.draft_vocab_size is None:
-        return  # stray d2t/t2d in a full-vocabulary checkpoint are reported as unexpected weights
-    if "d2t" not in weights or "t2d" not in weights:
-        raise DrafterLoadError(f"drafter {path} has draft_vocab_size {config.draft_vocab_size} "
-                               "but its weights hold no d2t / t2d draft vocabulary")
-    d2t, t2d = weights["d2t"], weights["t2d"]
-    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool or d2t.dim() != 1:
-        raise DrafterLoadError(f"drafter {path}: d2t must be 1-D integer offsets, got {d2t.dtype} "
-                               f"{tuple(d2t.shape)}")
-    if d2t.shape[0] != config.draft_vocab_size:
-        raise DrafterLoadError(f"drafter {path}: d2t has {d2t.shape[0]} entries but draft_vocab_size is "
-                               f"{config.draft_vocab_size}")
-    ids = ids_from_offsets(d2t)
-    try:
-        check_target_ids(ids, config.draft_vocab_size, config.vocab_size)
-    except ValueError as error:
-        raise DrafterLoadError(f"drafter {path}: d2t is invalid: {error}") from error
-    if t2d.shape != (config.vocab_size,) or not torch.equal(t2d.bool(), t2d_mask(ids, config.vocab_size)):
-        raise DrafterLoadError(f"drafter {path}: t2d does not match d2t (it must mark exactly the d2t target ids)")
-
-
 def _frozen_embeddings(embed: torch.Tensor, head: torch.Tensor) -> tuple[nn.Module, nn.Module]:
     embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
     lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False, dtype=head.dtype)
@@ -202,7 +178,7 @@ def load_model(
     weights = read_weights(path)
     weights.pop("rotary_emb.inv_freq", None)
     embed, head = weights.pop(EMBEDDING_KEYS[0], None), weights.pop(EMBEDDING_KEYS[1], None)
-    _check_draft_vocab(weights, config, path)
+    check_draft_vocab_weights(weights, config.draft_vocab_size, config.vocab_size, path)
     model = DSparkModel(config)
     expected = model.state_dict()
     missing = sorted(expected.keys() - weights.keys())

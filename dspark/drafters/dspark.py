@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.drafters.block_attention import block_attention
+from dspark.drafters.draft_vocab import DraftVocabMixin
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.heads import ConfidenceHead, build_sequential_head, sequential_logits
 from dspark.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin
-from dspark.drafters.vocab import check_target_ids, ids_from_offsets, offsets_from_ids, t2d_mask, target_to_draft_map
 
 
 class DSparkAttention(nn.Module):
@@ -156,15 +156,15 @@ class DSparkOutput:
     confidence_logits: torch.Tensor | None  # (B, A, γ) uncalibrated; c_k = sigmoid(. / T_k)
 
 
-class DSparkModel(nn.Module):
+class DSparkModel(DraftVocabMixin, nn.Module):
     """Backbone + heads. The target's embedding and LM head are used, not owned: they are neither
     saved, trained nor moved with this module (`share_embeddings`) unless a checkpoint brought its
     own copies (`own_embeddings`).
 
-    With `config.draft_vocab_size` set, buffers `d2t` (Vd,) int64 and `t2d` (V,) bool (EAGLE-3's
-    layout, saved with the weights) name the draft vocabulary; they start as the first Vd ids until
-    `set_draft_vocab`. Logits are then over the Vd draft ids; inputs (anchor, mask, previous tokens)
-    stay target ids."""
+    With `config.draft_vocab_size` set, buffers `d2t` / `t2d` name the draft vocabulary (`DraftVocabMixin`;
+    the first Vd ids until `set_draft_vocab`): logits are over the Vd draft ids, inputs (anchor, mask,
+    previous tokens) stay target ids. Call `set_draft_vocab` before training: the Markov W2 rows are
+    indexed by draft id and are not reordered with it."""
 
     def __init__(self, config: DSparkConfig, embed_tokens: nn.Module | None = None,
                  lm_head: nn.Module | None = None) -> None:
@@ -185,11 +185,7 @@ class DSparkModel(nn.Module):
             extra = config.markov_rank if config.confidence_head_with_markov else 0
             self.confidence_head = ConfidenceHead(config.hidden_size, extra)
         self._shared: tuple[nn.Module, nn.Module] | None = None
-        self._sliced_head: tuple | None = None  # cache of the LM head rows of the draft vocabulary
-        if config.draft_vocab_size is not None:
-            first_ids = torch.arange(config.draft_vocab_size)
-            self.register_buffer("d2t", offsets_from_ids(first_ids))
-            self.register_buffer("t2d", t2d_mask(first_ids, config.vocab_size))
+        self.init_draft_vocab()
         self.init_weights()
         if embed_tokens is not None or lm_head is not None:
             self.share_embeddings(embed_tokens, lm_head)
@@ -241,86 +237,12 @@ class DSparkModel(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
-    # -- draft vocabulary ------------------------------------------------------------------------
-
-    @property
-    def reduced_vocab(self) -> bool:
-        return self.config.draft_vocab_size is not None
-
-    @property
-    def draft_vocab_size(self) -> int:
-        """Vd, the number of logits the drafter produces (= V without a reduced vocabulary)."""
-        return self.config.draft_vocab_size or self.config.vocab_size
-
-    def draft_to_target(self) -> torch.Tensor:
-        """(Vd,) int64: the target id of each draft id (ascending)."""
-        if not self.reduced_vocab:
-            return torch.arange(self.config.vocab_size, device=self.device)
-        return ids_from_offsets(self.d2t)
-
-    def target_to_draft(self) -> torch.Tensor:
-        """(V,) int64: the draft id of each target id, -1 for ids outside the draft vocabulary."""
-        return target_to_draft_map(self.draft_to_target(), self.config.vocab_size)
-
-    @torch.no_grad()
-    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
-        """Make `target_ids` (Vd distinct target ids, any order; see `vocab.select_draft_vocab`) the
-        draft vocabulary. W2 and the logits follow the new ids' order, so call this before training."""
-        if not self.reduced_vocab:
-            raise ValueError("this drafter predicts the full vocabulary: build it with draft_vocab_size=...")
-        ids = torch.as_tensor(target_ids)
-        if ids.dim() == 1 and not ids.dtype.is_floating_point:
-            ids = ids.long().sort().values
-        check_target_ids(ids, self.config.draft_vocab_size, self.config.vocab_size)
-        ids = ids.to(self.d2t.device)
-        self.d2t.copy_(offsets_from_ids(ids))
-        self.t2d.copy_(t2d_mask(ids, self.config.vocab_size))
-        self._sliced_head = None
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Target ids of draft ids (any shape): i + d2t[i]."""
-        return draft_ids + self.d2t[draft_ids] if self.reduced_vocab else draft_ids
-
-    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
-        """Draft ids of target ids (any shape), -1 outside the draft vocabulary or for negative ids
-        (ignored labels): how training labels are mapped onto the Vd logits."""
-        if not self.reduced_vocab:
-            return target_ids.where(target_ids >= 0, -1)
-        mapped = self.target_to_draft().to(target_ids.device)[target_ids.clamp(min=0)]
-        return mapped.where(target_ids >= 0, -1)
-
-    def scatter_to_target(self, draft_probs: torch.Tensor) -> torch.Tensor:
-        """(..., Vd) draft probabilities -> (..., V), zero outside the draft vocabulary: the q that
-        verification needs (the same numbers, placed at their target ids)."""
-        if not self.reduced_vocab:
-            return draft_probs
-        full = draft_probs.new_zeros(*draft_probs.shape[:-1], self.config.vocab_size)
-        return full.index_copy_(-1, self.draft_to_target().to(draft_probs.device), draft_probs)
-
-    def _draft_lm_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target LM head's rows (and bias) of the draft ids. Cached: slicing Vd rows of a 49k-row
-        head every round would cost as much as a drafter layer. The head is frozen, so the slice is
-        detached and never saved; it is rebuilt when the head (tensor, dtype, device) or d2t changes, and
-        made outside inference mode so a model that drafted can still be trained."""
-        weight = lm_head.weight
-        key = (weight.data_ptr(), weight.dtype, weight.device, self.d2t.device)
-        cached = self._sliced_head
-        if cached is None or cached[0] != key or not torch.equal(cached[1], self.d2t):
-            with torch.inference_mode(False), torch.no_grad():
-                ids = self.draft_to_target().to(weight.device)
-                bias = getattr(lm_head, "bias", None)
-                self._sliced_head = (key, self.d2t.clone(), weight.detach()[ids],
-                                     None if bias is None else bias.detach()[ids])
-        return self._sliced_head[2], self._sliced_head[3]
+    # -- draft vocabulary: DraftVocabMixin --------------------------------------------------------
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Base logits U_k (..., Vd) of normed hidden states (..., D): the target's frozen LM head,
         restricted to the draft vocabulary when it is reduced."""
-        lm_head = self.embeddings()[1]
-        hidden = hidden.to(lm_head.weight.dtype)
-        if not self.reduced_vocab:
-            return lm_head(hidden)
-        return F.linear(hidden, *self._draft_lm_head(lm_head))
+        return self.draft_logits(hidden, self.embeddings()[1])
 
     # -- backbone ------------------------------------------------------------------------------
 

@@ -67,6 +67,7 @@ class Eagle3Model(BaselineModel, nn.Module):
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._shared = (embed_tokens, lm_head)
+        self.init_draft_vocab()
         init_weights(self)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,7 @@ class MTPModel(BaselineModel, nn.Module):
         self.config = config
         self.layers = nn.ModuleList(MTPModule(config) for _ in range(config.num_modules))
         self._shared = (embed_tokens, lm_head)
+        self.init_draft_vocab()
         init_weights(self)
 
     def module(self, depth: int) -> MTPModule:

@@ -32,7 +32,7 @@ class TrainConfig:
     feature_cache: str | None = None  # directory of `dspark data features` for `data`: the target never runs
     online_features: bool = False  # corpus `data`, the cache's features and top-k teacher computed per batch
     top_k: int = 32  # teacher tokens per position with online_features (a cache keeps its own)
-    draft_vocab_size: int | None = None  # DSpark/DFlash: draft LM head over the N most frequent answer tokens
+    draft_vocab_size: int | None = None  # any drafter: LM head over the N most frequent answer tokens (EAGLE-3 style)
     last_context_input: bool = False  # DSpark/DFlash: slots also read the projected feature before the anchor
     heldout_fraction: float = 0.02
     max_eval_sequences: int = 64

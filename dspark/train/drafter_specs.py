@@ -147,7 +147,7 @@ def _rows(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def _eagle3_build(config: TrainConfig, target: nn.Module) -> nn.Module:
     from dspark.drafters.eagle3 import Eagle3Model
 
-    overrides: dict = dict(num_speculative_tokens=config.block_size)
+    overrides: dict = dict(num_speculative_tokens=config.block_size, draft_vocab_size=config.draft_vocab_size)
     if config.target_layer_ids:
         overrides["target_layer_ids"] = tuple(config.target_layer_ids)
     return Eagle3Model.for_target(target, **overrides)
@@ -170,7 +170,8 @@ def _eagle3_blocks(drafter, features, input_ids, anchors):
 def _mtp_build(config: TrainConfig, target: nn.Module) -> nn.Module:
     from dspark.drafters.mtp import MTPModel
 
-    overrides: dict = dict(num_speculative_tokens=config.block_size, num_modules=config.num_draft_layers)
+    overrides: dict = dict(num_speculative_tokens=config.block_size, num_modules=config.num_draft_layers,
+                           draft_vocab_size=config.draft_vocab_size)
     if config.target_layer_ids:
         overrides["target_layer_ids"] = tuple(config.target_layer_ids)
     return MTPModel.for_target(target, **overrides)
