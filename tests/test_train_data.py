@@ -317,3 +317,34 @@ def test_regenerate_refuses_a_foreign_output_file(tmp_path):
     out.write_text('{"id": "p0"}\nnot json\n')
     with pytest.raises(DataError, match="out.jsonl:2"):
         completed_ids(out)
+
+
+def test_length_grouped_batches_cut_padding_and_keep_every_sample_once():
+    """group_by_length: a batch holds samples of similar length, every sample still comes once an epoch in
+    a seeded order that changes between epochs, and a batch is a function of (seed, step) (exact resume)."""
+    from dspark.train.examples import batch_indices
+
+    lengths = torch.randint(20, 1024, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
+    batch, per_epoch = 4, 250
+
+    def epoch(first_step, **grouping):
+        return [batch_indices(1000, batch, step, 3, **grouping) for step in range(first_step, first_step + per_epoch)]
+
+    def padded_share(batches):
+        return sum(max(lengths[i] for i in b) * len(b) for b in batches) / sum(lengths[i] for b in batches for i in b)
+
+    plain, grouped = epoch(0), epoch(0, lengths=lengths, group_batches=32)
+    assert sorted(i for b in grouped for i in b) == list(range(1000))
+    assert padded_share(plain) > 1.2 and padded_share(grouped) < 1.05
+    assert epoch(0, lengths=lengths, group_batches=1) == plain == epoch(0, group_batches=32)  # off: the plain order
+    assert batch_indices(1000, batch, 17, 3, lengths, 32) == grouped[17]
+    next_epoch = epoch(per_epoch, lengths=lengths, group_batches=32)
+    assert sorted(i for b in next_epoch for i in b) == list(range(1000)) and next_epoch != grouped
+    assert {len(b) for b in grouped} == {batch}
+
+
+def test_length_grouping_must_not_be_negative():
+    from dspark.train.config import TrainConfig
+
+    with pytest.raises(DsparkError, match="length_grouping"):
+        TrainConfig(data="c.safetensors", length_grouping=-1)

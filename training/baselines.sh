@@ -17,7 +17,8 @@ OUT=$1; shift; E=../shared/eval_datasets; STEPS=${STEPS:-620}; THREADS=${THREADS
 BASELINE_VOCAB=(); if [ "${VOCAB:-}" = full ]; then BASELINE_VOCAB=(draft_vocab_size=null); fi
 mkdir -p "$OUT"
 COMMON=(--config configs/smollm2-dspark-cached.yaml feature_cache=null online_features=true seq_len=1024
-        max_steps=$STEPS warmup_steps=50 save_every=50 eval_every=$STEPS keep_checkpoints=1 threads=$THREADS)
+        max_steps=$STEPS warmup_steps=50 save_every=50 eval_every=$STEPS keep_checkpoints=1 threads=$THREADS
+        length_grouping=0)  # the data order of the first matched runs (session 10)
 for TYPE in "$@"; do
   case $TYPE in
     dspark|dflash) EXTRA=(drafter_type=$TYPE) ;;

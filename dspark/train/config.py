@@ -39,6 +39,7 @@ class TrainConfig:
     seq_len: int = 512
     # -- optimisation --------------------------------------------------------------------------
     batch_size: int = 4  # global, in sequences; split across ranks
+    length_grouping: int = 0  # batches of similar length from windows of N batches (HF group_by_length); 0 = off
     anchors_per_seq: int = 64
     lr: float = 6e-4
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio at max_steps
@@ -95,6 +96,8 @@ class TrainConfig:
         if self.online_features and not str(self.data).endswith(".safetensors"):
             raise DsparkError(f"online_features needs a corpus (.safetensors, `dspark data pack`) as data, got "
                               f"{self.data!r}")
+        if self.length_grouping < 0:
+            raise DsparkError(f"length_grouping must be >= 0 (0 = off), got {self.length_grouping}")
         if self.top_k < 1:
             raise DsparkError(f"top_k must be >= 1, got {self.top_k}")
         if self.device not in ("auto", "cpu", "cuda"):

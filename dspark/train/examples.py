@@ -6,6 +6,7 @@ pipeline (`train.cached_data`) shares the padding and anchor sampling (`pad_and_
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,15 +77,39 @@ def load_examples(path: str | Path, tokenizer, seq_len: int) -> list[Example]:
     return examples
 
 
-def batch_indices(num_train: int, batch_size: int, step: int, seed: int) -> list[int]:
+def batch_indices(num_train: int, batch_size: int, step: int, seed: int,
+                  lengths: Sequence[int] | None = None, group_batches: int = 0) -> list[int]:
     """Positions (into the training list) of global batch `step`: epoch e is a seeded permutation cut
-    into full batches, so a batch is a function of the step alone (that is the data position)."""
+    into full batches, so a batch is a function of the step alone (that is the data position).
+
+    With `lengths` and `group_batches` > 1 (HF's `group_by_length`), each run of group_batches × batch_size
+    samples of the permutation is sorted by length before it is cut, and its batches are then shuffled: a
+    batch holds samples of similar length, so right-padding wastes ~2% of the target's and the drafter's
+    work instead of ~30% (random batches of 4 default-corpus samples), while every sample is still seen
+    once an epoch in a seeded random order."""
     per_epoch = max(num_train // batch_size, 1)
     epoch, index = divmod(step, per_epoch)
-    order = torch.randperm(num_train, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
+    generator = torch.Generator().manual_seed(seed * 7919 + epoch)
+    order = torch.randperm(num_train, generator=generator).tolist()
     if num_train < batch_size:
         order = (order * math.ceil(batch_size / num_train))[:batch_size]
+    elif lengths is not None and group_batches > 1:
+        order = _grouped_by_length(order[: per_epoch * batch_size], lengths, batch_size, group_batches, generator)
     return order[index * batch_size : (index + 1) * batch_size]
+
+
+def _grouped_by_length(order: list[int], lengths: Sequence[int], batch_size: int, group_batches: int,
+                       generator: torch.Generator) -> list[int]:
+    """`order` (whole batches) with each window of group_batches batches sorted by length (longest first),
+    cut into batches, and those batches shuffled within the window."""
+    grouped = []
+    window = group_batches * batch_size
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start : start + window], key=lambda i: -lengths[i])
+        batches = [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+        for b in torch.randperm(len(batches), generator=generator).tolist():
+            grouped += batches[b]
+    return grouped
 
 
 def make_batch(examples: list[Example], seeds: list[int], num_anchors: int, pad_id: int,

@@ -325,11 +325,13 @@ def train(config: TrainConfig, resume: str | Path | None = None,
 
         bar = tqdm(total=config.max_steps, initial=step, desc="train", dynamic_ncols=True)
     per_rank = config.batch_size // d.world
+    lengths = [len(example.input_ids) for example in train_set]
     metrics: dict = {}
     eval_metrics: dict = {}
     while step < config.max_steps:
         started = time.perf_counter()
-        global_batch = batch_indices(len(train_set), config.batch_size, step, config.seed)
+        global_batch = batch_indices(len(train_set), config.batch_size, step, config.seed, lengths,
+                                     config.length_grouping)
         first = d.rank * per_rank
         examples = [train_set[i] for i in global_batch[first : first + per_rank]]
         batch = step_batch(run, examples, step, first, config.seed)
