@@ -34,14 +34,16 @@ for TYPE in "$@"; do
     dspark train "${COMMON[@]}" "${EXTRA[@]}" output_dir=$RUN "${RESUME[@]}" 2> "$OUT/${TYPE}_train.err"
   fi
   cp "$RUN/train_log.jsonl" "$OUT/${TYPE}_train_log.jsonl"
-  OMP_NUM_THREADS=$THREADS dspark eval --drafter "$RUN/final" --dataset $E/math500.jsonl --dataset $E/humaneval.jsonl --dataset $E/mbpp.jsonl \
-      --dataset $E/mt-bench.jsonl --num-prompts 4 --max-new-tokens 96 --dtype bfloat16 --temperature 0 --json \
-      > "$OUT/${TYPE}_eval_T0.json" 2> "$OUT/${TYPE}_eval_T0.err"
+  for T in 0 1; do
+    OMP_NUM_THREADS=$THREADS dspark eval --drafter "$RUN/final" --dataset $E/math500.jsonl --dataset $E/humaneval.jsonl \
+        --dataset $E/mbpp.jsonl --dataset $E/mt-bench.jsonl --num-prompts 4 --max-new-tokens 96 --dtype bfloat16 \
+        --temperature $T --json > "$OUT/${TYPE}_eval_T$T.json" 2> "$OUT/${TYPE}_eval_T$T.err"
+  done
 done
 python - "$OUT" <<'PY'
 import json, pathlib, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("*_eval_T0.json")):  # tau overall / per domain / positions 1-3
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*_eval_T*.json")):  # tau overall / per domain / positions 1-3
     d = json.loads(path.read_text().splitlines()[-1])
-    print(path.name.removesuffix("_eval_T0.json"), "tau", d["tau"], {k: v["tau"] for k, v in d["domains"].items()},
+    print(path.name.removesuffix(".json"), "tau", d["tau"], {k: v["tau"] for k, v in d["domains"].items()},
           "pos", d["position_acceptance"][:3], "draft ms/round", d.get("draft_ms_per_round"))
 PY
