@@ -11,6 +11,7 @@ the HF parameters rebound as views of the fused tensors, so nothing is duplicate
 holds one slot per request with its own length, so rolling a request back is setting its length.
 """
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from dspark.errors import DsparkError
+from dspark.packed import PackedLinear, pack_linear, packing_supported
 from dspark.quantize import Int4Linear
 from dspark.target import TargetOutput
 
@@ -102,7 +104,7 @@ class RaggedBackend:
     number of slots at once (one flattened batch), `rollback` a slot, `release` it."""
 
     def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int] = (), max_slots: int = 8,
-                 attention: str = "loop") -> None:
+                 attention: str = "loop", packed_weights: bool | None = None) -> None:
         if not supports_ragged(model):
             raise DsparkError(f"ragged batching supports {sorted(SUPPORTED_MODEL_TYPES)} models, "
                               f"not {getattr(model.config, 'model_type', type(model).__name__)}")
@@ -123,8 +125,18 @@ class RaggedBackend:
         self.window = getattr(config, "sliding_window", None) if is_mistral else None
         self.layers = [fuse_layer(layer, self.num_heads, self.num_kv_heads, self.head_dim)
                        for layer in model.model.layers]
-        self.max_slots = max_slots
+        self.lm_head = model.get_output_embeddings()
         dtype = model.model.embed_tokens.weight.dtype
+        if packed_weights is None:
+            packed_weights = packing_supported(dtype, self.device)
+        if packed_weights:
+            self.layers = [_packed_layer(fused, layer, model) for fused, layer in zip(self.layers, model.model.layers,
+                                                                                        strict=True)]
+            if isinstance(self.lm_head, torch.nn.Linear):  # an int4 head keeps its own kernel
+                head = self.lm_head
+                self.lm_head = _packed(model, head.weight, head.bias, [head.weight, head.bias]) or head
+        self.packed_weights = isinstance(self.layers[0].qkv, PackedLinear) if self.layers else False
+        self.max_slots = max_slots
         self.cache = SlotCache(self.num_layers, max_slots, self.num_kv_heads, self.head_dim, dtype, self.device)
         self.free = list(range(max_slots))[::-1]
 
@@ -239,8 +251,7 @@ class RaggedBackend:
             else:
                 rows.append(torch.empty(0, dtype=torch.long))
         picked = torch.cat(rows).to(normed.device)
-        lm_head = self.model.get_output_embeddings()
-        logits = lm_head(normed[picked]).float() if picked.numel() else normed.new_empty(0, self.vocab_size)
+        logits = self.lm_head(normed[picked]).float() if picked.numel() else normed.new_empty(0, self.vocab_size)
         outputs, cursor = [], 0
         for row, offset, size in zip(rows, offsets, sizes, strict=True):
             count = int(row.numel())
@@ -292,6 +303,38 @@ def fuse_layer(layer: torch.nn.Module, num_heads: int, num_kv_heads: int, head_d
         layer.input_layernorm, layer.post_attention_layernorm, qkv, qkv_bias, attn.o_proj.weight.detach(),
         gate_up, mlp.down_proj.weight.detach(), *norms,
     )
+
+
+def _packed_layer(fused: _FusedLayer, layer: torch.nn.Module, model: PreTrainedModel) -> _FusedLayer:
+    """The fused layer with its dense projections reordered for oneDNN (`dspark.packed`); int4 ones stay.
+    `layer` is the HF layer, whose parameters (views of the fused weights) say when those were written."""
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def params(*modules: torch.nn.Module) -> list[torch.Tensor | None]:  # int4 modules may have neither
+        return [getattr(m, name, None) for m in modules for name in ("weight", "bias")]
+
+    qkv = _packed(model, fused.qkv, fused.qkv_bias, params(attn.q_proj, attn.k_proj, attn.v_proj))
+    return dataclasses.replace(
+        fused, qkv=qkv or fused.qkv, qkv_bias=None if qkv else fused.qkv_bias,
+        o_proj=_packed(model, fused.o_proj, None, params(attn.o_proj)) or fused.o_proj,
+        gate_up=_packed(model, fused.gate_up, None, params(mlp.gate_proj, mlp.up_proj)) or fused.gate_up,
+        down=_packed(model, fused.down, None, params(mlp.down_proj)) or fused.down,
+    )
+
+
+def _packed(model: PreTrainedModel, weight: Weight, bias: torch.Tensor | None,
+            sources: list[torch.Tensor | None]) -> PackedLinear | None:
+    """`pack_linear(weight, bias)`, made once per weight of `model`: every backend on the model (the engine's,
+    the profiler's, a benchmark's) shares one reordered copy, as they share the fused dense views. `sources`
+    are the model's own parameters behind it: their version counters move with any in-place write, so a
+    copy made before a write is never reused."""
+    if not isinstance(weight, torch.Tensor):
+        return None
+    cache = model.__dict__.setdefault("_dspark_packed", {})
+    key = (weight.data_ptr(), tuple(weight.shape), tuple(p._version for p in sources if p is not None))
+    if key not in cache:
+        cache[key] = pack_linear(weight, bias)
+    return cache[key]
 
 
 #: fused int4 layers by their first part, so every backend on one model shares one copy (as dense views do)

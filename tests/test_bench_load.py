@@ -2,6 +2,9 @@
 
 import json
 
+import pytest
+import torch
+
 from dspark.cli import main
 
 
@@ -52,3 +55,19 @@ def test_bench_forward_reports_the_cost_of_k_tokens_relative_to_one(tiny_on_disk
         assert abs(row["ours_ratio_to_1"] - row["ours_ms"] / one["ours_ms"]) < 0.01 * row["ours_ratio_to_1"]
     assert report["verify8_over_1"] == report["rows"][2]["ours_ratio_to_1"]
     assert report["dtype"] == "float32" and report["context_tokens"] == 12
+    assert not report["packed_weights"] and "ours_over_dense" not in one  # float32: nothing to pack
+
+
+def test_bench_forward_compares_packed_and_plain_bf16_weights(tiny_on_disk, capsys):
+    from dspark.packed import packing_supported
+
+    report = run_cli(capsys, "bench", "forward", "--target", tiny_on_disk / "target", "--tokens", 8,
+                     "--rows", 1, "--context-tokens", 12, "--repeats", 2, "--dtype", "bfloat16")
+    assert report["dtype"] == "bfloat16"
+    assert report["packed_weights"] == packing_supported(torch.bfloat16, torch.device("cpu"))
+    for row in report["rows"]:
+        if report["packed_weights"]:
+            assert row["ours_dense_ms"] > 0 and row["ours_over_dense"] == pytest.approx(
+                row["ours_ms"] / row["ours_dense_ms"], rel=0.01)
+        else:
+            assert "ours_over_dense" not in row

@@ -13,8 +13,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("dspark.errors", "dspark.sampling", "dspark.verify", "dspark.stats")),
     # the target and its tokenizer (text needs LoadedTarget); drafters.files (checkpoint file names, shard
     # index) is read by loading too; cli_args reads loading's dtype names
-    ("models", ("dspark.drafters.files", "dspark.quantize", "dspark.loading", "dspark.target", "dspark.ragged",
-                "dspark.batch_decode", "dspark.text", "dspark.cli_args")),
+    ("models", ("dspark.drafters.files", "dspark.quantize", "dspark.packed", "dspark.loading", "dspark.target",
+                "dspark.ragged", "dspark.batch_decode", "dspark.text", "dspark.cli_args")),
     ("drafters", ("dspark.drafters",)),
     ("runtime", ("dspark.scheduler", "dspark.profiling", "dspark.engine", "dspark.generation", "dspark.factory")),
     ("api", ("dspark.api", "dspark")),
