@@ -1,14 +1,18 @@
-"""bf16 weights reordered once into oneDNN's blocked layout, for the CPU decode forward.
+"""bf16 weights reordered once into oneDNN's blocked layout, for the CPU decode and drafting forwards.
 
 `F.linear` on a plain bf16 weight hands oneDNN a row-major matrix that it reorders into its blocked layout
-on every call. At the one to a few rows of a decode or verify step that reorder costs as much as the product:
-on a 2-core avx512_bf16 CPU the 121 weight matmuls of one SmolLM2-135M token take about half the time with
-the weight reordered once (`dspark bench forward`, docs/runtime.md). The numbers are the same kernel's, bit
-for bit (tested), so the forward computes exactly what it computed with `F.linear`. The reordered copy is
-extra memory (the size of the weights), so only the engine's forward (`dspark.ragged`) uses it.
+on every call. At the one to a few rows of a decode, verify or draft step that reorder costs as much as the
+product: on a 2-core avx512_bf16 CPU the 121 weight matmuls of one SmolLM2-135M token take about half the
+time with the weight reordered once (`dspark bench forward`, docs/runtime.md). The numbers are the same
+kernel's, bit for bit (tested), so a forward computes exactly what it computed with `F.linear`.
+
+The reordered copy is extra memory (the size of the weights) and carries no gradient: `PackedLinear` keeps
+the dense weight as its parameter (same state dict as `nn.Linear`) and uses the copy only when no gradient
+is being recorded, so a packed module still trains correctly, and only through `F.linear`.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -20,17 +24,35 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x Wᵀ + b with W (out, in) bf16 reordered once for oneDNN; `x` (..., in) bf16."""
+    """y = x Wᵀ + b with W (out, in) bf16, reordered once for oneDNN; `x` (..., in) bf16. `weight` / `bias`
+    are the dense tensors (shared, not copied), so the state dict is an `nn.Linear`'s."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach(),
+                                                                                 requires_grad=False)
+        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(
+            bias.detach(), requires_grad=False)
+        self._pack()
+
+    def _pack(self) -> None:
         # batch-size hint 1: the decode layout, measured fastest at 1, 8 and 16 rows alike
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
-        self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(), 1)
+        self.packed_bias = None if self.bias is None else self.bias.detach().to(self.weight.dtype).contiguous()
+        self.packed_version = self._version()
+
+    def _version(self) -> tuple[int, int]:
+        """The dense tensors' version counters: they move with every in-place write (an optimiser step)."""
+        return self.weight._version, -1 if self.bias is None else self.bias._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)  # training: the dense weight, with its gradient
+        if self._version() != self.packed_version:  # written since it was packed: never a stale copy
+            with torch.inference_mode(False), torch.no_grad():
+                self._pack()
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.packed_bias, "none", [], "")
 
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear | None:
@@ -40,8 +62,23 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
         return None
     try:
         packed = PackedLinear(weight, bias)
-        probe = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
-        packed(probe)
+        with torch.no_grad():
+            packed(torch.zeros(1, weight.shape[1], dtype=weight.dtype))
     except (RuntimeError, NotImplementedError):
         return None
     return packed
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Replace every bf16 CPU `nn.Linear` inside `module` by its `PackedLinear` (same parameters, same state
+    dict keys); returns how many were packed. For drafters, whose matmuls run at a few rows per round. Pack
+    after loading weights: a later `load_state_dict` would update the dense weight, not the packed copy."""
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                packed = pack_linear(child.weight, child.bias)
+                if packed is not None:
+                    setattr(parent, name, packed)
+                    count += 1
+    return count

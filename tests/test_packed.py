@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import VOCAB, tiny_model
 
 import dspark.packed as packed_module
-from dspark.packed import PackedLinear, pack_linear, packing_supported
+from dspark.packed import PackedLinear, pack_linear, pack_linears, packing_supported
 from dspark.ragged import RaggedBackend, Segment
 
 needs_packing = pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")),
@@ -81,3 +81,82 @@ def test_a_weight_written_in_place_is_packed_again():
     reference = forward_logits(RaggedBackend(model, max_slots=1, packed_weights=False), tokens)
     assert not torch.equal(before[-1], after[-1])
     assert all(torch.equal(a, b) for a, b in zip(after, reference, strict=True))
+
+
+@needs_packing
+def test_a_packed_linear_trains_through_the_dense_weight_and_never_serves_a_stale_copy():
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    weight, bias = (torch.nn.Parameter(p.detach().clone()) for p in (dense.weight, dense.bias))
+    layer = PackedLinear(weight, bias)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    layer(x).float().sum().backward()
+    dense(x).float().sum().backward()
+    assert torch.equal(layer.weight.grad, dense.weight.grad) and torch.equal(layer.bias.grad, dense.bias.grad)
+    with torch.no_grad():
+        layer.weight.sub_(layer.weight.grad)  # an optimiser step: the packed copy is now out of date
+        with torch.inference_mode():
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@needs_packing
+def test_pack_linears_keeps_the_state_dict_and_the_numbers():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False))
+    model = model.to(torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        expected = model(x)
+    assert pack_linears(model) == 2 and all(isinstance(model[i], PackedLinear) for i in (0, 2))
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    with torch.inference_mode():
+        assert torch.equal(model(x), expected)
+    assert pack_linears(torch.nn.Linear(4, 4)) == 0  # float32 stays
+
+
+@needs_packing
+def test_a_bf16_drafter_drafts_the_same_packed_or_not(tiny_on_disk, monkeypatch):
+    """The DSpark drafter is packed when loaded for drafting in bf16 (layers, Markov and confidence heads and
+    the reduced LM head slice), and proposes the same tokens, q and confidences as unpacked."""
+    import dspark.drafters as drafters
+    from dspark.loading import load_target
+    from dspark.sampling import SamplingParams, make_generator
+
+    target = load_target(str(tiny_on_disk / "target"), dtype=torch.bfloat16)
+    prompt = torch.randint(3, 40, (12,), generator=torch.Generator().manual_seed(3))
+
+    def draft(drafter):
+        from dspark.target import Target
+
+        hidden = Target(target.model, layer_ids=drafter.target_layer_ids).prefill(prompt[:-1]).hidden
+        state = drafter.start(prompt[:-1], hidden)
+        return drafter.propose(state, prompt, 4, SamplingParams(temperature=1.0), make_generator(0))
+
+    packed = drafters.load_drafter(str(tiny_on_disk / "drafter"), target.model, draft_dtype=torch.bfloat16)
+    assert isinstance(packed.model.layers[0].mlp.down_proj, PackedLinear)
+    monkeypatch.setattr(drafters, "pack_linears", lambda module: 0)
+    plain = drafters.load_drafter(str(tiny_on_disk / "drafter"), target.model, draft_dtype=torch.bfloat16)
+    assert isinstance(plain.model.layers[0].mlp.down_proj, torch.nn.Linear)
+    a, b = draft(packed), draft(plain)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.q, b.q)
+    assert torch.equal(a.confidence, b.confidence)
+
+
+@needs_packing
+def test_the_reduced_lm_head_slice_is_packed_for_drafting_only():
+    """U_k over a reduced vocabulary: the packed slice when drafting, F.linear (with gradients) when training."""
+    from test_draft_vocab import tiny_model as tiny_drafter
+
+    model = tiny_drafter(5).to(torch.bfloat16)
+    model.share_embeddings(*(m.to(torch.bfloat16) for m in model.embeddings()))
+    model.set_draft_vocab(torch.tensor([0, 2, 3, 7, 10]))
+    hidden = torch.randn(2, 3, 16, dtype=torch.bfloat16)
+    expected = F.linear(hidden, model.embeddings()[1].weight[[0, 2, 3, 7, 10]])
+    with torch.inference_mode():
+        assert torch.equal(model.lm_logits(hidden), expected)
+    assert isinstance(model._sliced_head[4], PackedLinear)
+    trained = hidden.clone().requires_grad_()
+    model.lm_logits(trained).float().sum().backward()
+    assert trained.grad is not None and torch.equal(model.lm_logits(hidden.clone()), expected)

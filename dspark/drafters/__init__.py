@@ -9,6 +9,7 @@ from dspark.drafters.base import Draft, Drafter, NoDrafter
 from dspark.drafters.files import read_config_json
 from dspark.drafters.ngram import NgramDrafter
 from dspark.errors import DrafterLoadError
+from dspark.packed import pack_linears
 
 LOOKUP_SUFFIX = "+ngram"
 #: what `generate`, `serve`, the API and `bench load` draft with unless told: the shipped DSpark drafter, with
@@ -70,16 +71,23 @@ def load_drafter(spec: str, target_model, *, ngram_max: int = 3, ngram_min: int 
     if kind in ("dspark", "dflash"):
         from dspark.drafters.checkpoint import load_dspark
 
-        return load_dspark(path, target_model, dtype=draft_dtype or default_draft_dtype(target_model))
+        return _packed(load_dspark(path, target_model, dtype=draft_dtype or default_draft_dtype(target_model)))
     if kind == "eagle3":
         from dspark.drafters.eagle3 import Eagle3Drafter
 
-        return Eagle3Drafter.from_pretrained(path, target_model)
+        return _packed(Eagle3Drafter.from_pretrained(path, target_model))
     if kind == "mtp":
         from dspark.drafters.mtp import MTPDrafter
 
-        return MTPDrafter.from_pretrained(path, target_model)
+        return _packed(MTPDrafter.from_pretrained(path, target_model))
     return _load_draft_lm(path, target_model)
+
+
+def _packed(drafter: Drafter) -> Drafter:
+    """A drafter's linear layers reordered once for oneDNN where it drafts in bf16 on a CPU with native bf16
+    (`dspark.packed`: the same numbers, about half the matmul time at a round's few rows)."""
+    pack_linears(drafter.model)
+    return drafter
 
 
 def _load_draft_lm(path: Path, target_model) -> Drafter:

@@ -15,6 +15,7 @@ from torch import nn
 
 from dspark.drafters.vocab import check_target_ids, ids_from_offsets, offsets_from_ids, t2d_mask, target_to_draft_map
 from dspark.errors import DrafterLoadError
+from dspark.packed import PackedLinear, pack_linear
 
 
 def check_draft_vocab_size(draft_vocab_size: int | None, vocab_size: int) -> None:
@@ -96,13 +97,15 @@ class DraftVocabMixin:
         hidden = hidden.to(lm_head.weight.dtype)
         if not self.reduced_vocab:
             return lm_head(hidden)
-        return F.linear(hidden, *self._draft_lm_head(lm_head))
+        weight, bias, packed = self._draft_lm_head(lm_head)
+        return F.linear(hidden, weight, bias) if packed is None else packed(hidden)
 
-    def _draft_lm_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target LM head's rows (and bias) of the draft ids. Cached: slicing Vd rows of a 49k-row
-        head every round would cost as much as a drafter layer. The head is frozen, so the slice is
-        detached and never saved; it is rebuilt when the head (tensor, dtype, device) or d2t changes, and
-        made outside inference mode so a model that drafted can still be trained."""
+    def _draft_lm_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, PackedLinear | None]:
+        """The target LM head's rows (and bias) of the draft ids, and their oneDNN-packed form on CPUs with
+        native bf16 (`dspark.packed`: the same numbers, used only where no gradient is recorded). Cached:
+        slicing Vd rows of a 49k-row head every round would cost as much as a drafter layer. The head is
+        frozen, so the slice is detached and never saved; it is rebuilt when the head (tensor, dtype,
+        device) or d2t changes, and made outside inference mode so a model that drafted can still be trained."""
         weight = lm_head.weight
         key = (weight.data_ptr(), weight.dtype, weight.device, self.d2t.device)
         cached = self._sliced_head
@@ -110,9 +113,10 @@ class DraftVocabMixin:
             with torch.inference_mode(False), torch.no_grad():
                 ids = self.draft_to_target().to(weight.device)
                 bias = getattr(lm_head, "bias", None)
-                self._sliced_head = (key, self.d2t.clone(), weight.detach()[ids],
-                                     None if bias is None else bias.detach()[ids])
-        return self._sliced_head[2], self._sliced_head[3]
+                rows = weight.detach()[ids]
+                row_bias = None if bias is None else bias.detach()[ids]
+                self._sliced_head = (key, self.d2t.clone(), rows, row_bias, pack_linear(rows, row_bias))
+        return self._sliced_head[2], self._sliced_head[3], self._sliced_head[4]
 
 
 def check_draft_vocab_weights(weights: dict[str, torch.Tensor], draft_vocab_size: int | None, vocab_size: int,
