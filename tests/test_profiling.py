@@ -35,3 +35,15 @@ def test_int4_and_dense_targets_have_separate_profiles():
     int4 = LoadedTarget(tiny_model("llama").to(torch.bfloat16), None, "tiny", None)
     quantize_int4_(int4.model)
     assert "bfloat16" in profiling.profile_path(dense, 16).name and "int4" in profiling.profile_path(int4, 16).name
+    assert "packed" not in profiling.profile_path(int4, 16).name  # int4 layers keep their own kernel
+
+
+def test_packed_and_plain_bf16_forwards_have_separate_profiles(monkeypatch):
+    """Packing the weights (dspark.packed) changes the cost curve, so a profile of the plain forward is not reused."""
+    import torch
+
+    dense = LoadedTarget(tiny_model("llama").to(torch.bfloat16), None, "tiny", None)
+    monkeypatch.setattr(profiling, "packing_supported", lambda dtype, device: True)
+    packed = profiling.profile_path(dense, 16).name
+    monkeypatch.setattr(profiling, "packing_supported", lambda dtype, device: False)
+    assert "bfloat16-packed" in packed and profiling.profile_path(dense, 16).name == packed.replace("-packed", "")
