@@ -11,9 +11,24 @@ the dense weight as its parameter (same state dict as `nn.Linear`) and uses the 
 is being recorded, so a packed module still trains correctly, and only through `F.linear`.
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+#: the most of the machine's memory an automatic packing may add (the reordered copy is the weights' size)
+MAX_MEMORY_SHARE = 0.25
+
+
+def affordable(num_bytes: int) -> bool:
+    """Whether a reordered copy of `num_bytes` of weights fits in MAX_MEMORY_SHARE of physical memory: a
+    135M model's 270 MB does anywhere, a 7B model's 14 GB does not on a 32 GB machine."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return num_bytes <= MAX_MEMORY_SHARE * total
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from dspark.errors import DsparkError
-from dspark.packed import PackedLinear, pack_linear, packing_supported
+from dspark.packed import PackedLinear, affordable, pack_linear, packing_supported
 from dspark.quantize import Int4Linear
 from dspark.target import TargetOutput
 
@@ -127,8 +127,9 @@ class RaggedBackend:
                        for layer in model.model.layers]
         self.lm_head = model.get_output_embeddings()
         dtype = model.model.embed_tokens.weight.dtype
-        if packed_weights is None:
-            packed_weights = packing_supported(dtype, self.device)
+        if packed_weights is None:  # auto: where oneDNN has native bf16 and the copy fits comfortably
+            dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
+            packed_weights = packing_supported(dtype, self.device) and affordable(dense_bytes)
         if packed_weights:
             self.layers = [_packed_layer(fused, layer, model) for fused, layer in zip(self.layers, model.model.layers,
                                                                                         strict=True)]

@@ -160,3 +160,14 @@ def test_the_reduced_lm_head_slice_is_packed_for_drafting_only():
     trained = hidden.clone().requires_grad_()
     model.lm_logits(trained).float().sum().backward()
     assert trained.grad is not None and torch.equal(model.lm_logits(hidden.clone()), expected)
+
+
+def test_automatic_packing_stays_within_a_share_of_memory(monkeypatch):
+    import dspark.ragged as ragged
+
+    assert packed_module.affordable(1 << 20) and not packed_module.affordable(1 << 60)
+    monkeypatch.setattr(ragged, "affordable", lambda num_bytes: False)  # a model too big to copy here
+    model = tiny_model("llama").to(torch.bfloat16)
+    assert not RaggedBackend(model, max_slots=1).packed_weights
+    if packing_supported(torch.bfloat16, torch.device("cpu")):
+        assert RaggedBackend(model, max_slots=1, packed_weights=True).packed_weights  # asked for: packed anyway
