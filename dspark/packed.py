@@ -12,6 +12,7 @@ is being recorded, so a packed module still trains correctly, and only through `
 """
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,13 +43,16 @@ class PackedLinear(nn.Module):
     """y = x Wᵀ + b with W (out, in) bf16, reordered once for oneDNN; `x` (..., in) bf16. `weight` / `bias`
     are the dense tensors (shared, not copied), so the state dict is an `nn.Linear`'s."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 watched: Sequence[torch.Tensor | None] = ()) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach(),
                                                                                  requires_grad=False)
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(
             bias.detach(), requires_grad=False)
+        # what an in-place write would move: the dense tensors, or the caller's own parameters behind them
+        self.watched = [t for t in watched if t is not None] or [t for t in (self.weight, self.bias) if t is not None]
         self._pack()
 
     def _pack(self) -> None:
@@ -57,9 +61,9 @@ class PackedLinear(nn.Module):
         self.packed_bias = None if self.bias is None else self.bias.detach().to(self.weight.dtype).contiguous()
         self.packed_version = self._version()
 
-    def _version(self) -> tuple[int, int]:
-        """The dense tensors' version counters: they move with every in-place write (an optimiser step)."""
-        return self.weight._version, -1 if self.bias is None else self.bias._version
+    def _version(self) -> tuple[int, ...]:
+        """The watched tensors' version counters: they move with every in-place write (an optimiser step)."""
+        return tuple(t._version for t in self.watched)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
@@ -70,13 +74,14 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.packed_bias, "none", [], "")
 
 
-def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear | None:
+def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                watched: Sequence[torch.Tensor | None] = ()) -> PackedLinear | None:
     """A `PackedLinear` of a dense bf16 CPU weight, or None where packing is unsupported or fails (the caller
     keeps `F.linear`): an internal oneDNN op may be missing or refuse a shape in another torch build."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not packing_supported(weight.dtype, weight.device):
         return None
     try:
-        packed = PackedLinear(weight, bias)
+        packed = PackedLinear(weight, bias, watched)
         with torch.no_grad():
             packed(torch.zeros(1, weight.shape[1], dtype=weight.dtype))
     except (RuntimeError, NotImplementedError):

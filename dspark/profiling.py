@@ -10,8 +10,7 @@ import torch
 
 from dspark.engine import make_backend
 from dspark.loading import LoadedTarget, cache_dir, log, target_dtype_name
-from dspark.packed import packing_supported
-from dspark.ragged import Segment
+from dspark.ragged import Segment, auto_packed, supports_ragged
 from dspark.scheduler import SPSTable, profile_sps
 
 _TABLES: dict[Path, SPSTable] = {}
@@ -20,7 +19,7 @@ _TABLES: dict[Path, SPSTable] = {}
 def profile_path(loaded: LoadedTarget, context_tokens: int) -> Path:
     model = loaded.model
     dtype = target_dtype_name(model)  # int4 apart
-    if dtype == "bfloat16" and packing_supported(torch.bfloat16, model.device):
+    if dtype == "bfloat16" and supports_ragged(model) and auto_packed(model):
         dtype += "-packed"  # the forward with oneDNN-packed weights has another cost curve than the plain one
     tag = f"{loaded.name}-{model.device.type}-{dtype}-t{torch.get_num_threads()}"
     return cache_dir() / "profiles" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', tag)}-ctx{context_tokens}.json"

@@ -127,10 +127,7 @@ class RaggedBackend:
                        for layer in model.model.layers]
         self.lm_head = model.get_output_embeddings()
         dtype = model.model.embed_tokens.weight.dtype
-        if packed_weights is None:  # auto: where oneDNN has native bf16 and the copy fits comfortably
-            dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
-            packed_weights = packing_supported(dtype, self.device) and affordable(dense_bytes)
-        if packed_weights:
+        if auto_packed(model) if packed_weights is None else packed_weights:
             self.layers = [_packed_layer(fused, layer, model) for fused, layer in zip(self.layers, model.model.layers,
                                                                                         strict=True)]
             if isinstance(self.lm_head, torch.nn.Linear):  # an int4 head keeps its own kernel
@@ -306,6 +303,14 @@ def fuse_layer(layer: torch.nn.Module, num_heads: int, num_kv_heads: int, head_d
     )
 
 
+def auto_packed(model: PreTrainedModel) -> bool:
+    """Whether `RaggedBackend` packs this model's weights by default (`dspark.packed`): bf16 where oneDNN has
+    native bf16 kernels and the reordered copy fits comfortably in memory. The SPS profile is keyed by it."""
+    dtype = model.model.embed_tokens.weight.dtype
+    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
+    return packing_supported(dtype, model.device) and affordable(dense_bytes)
+
+
 def _packed_layer(fused: _FusedLayer, layer: torch.nn.Module, model: PreTrainedModel) -> _FusedLayer:
     """The fused layer with its dense projections reordered for oneDNN (`dspark.packed`); int4 ones stay.
     `layer` is the HF layer, whose parameters (views of the fused weights) say when those were written."""
@@ -326,15 +331,15 @@ def _packed_layer(fused: _FusedLayer, layer: torch.nn.Module, model: PreTrainedM
 def _packed(model: PreTrainedModel, weight: Weight, bias: torch.Tensor | None,
             sources: list[torch.Tensor | None]) -> PackedLinear | None:
     """`pack_linear(weight, bias)`, made once per weight of `model`: every backend on the model (the engine's,
-    the profiler's, a benchmark's) shares one reordered copy, as they share the fused dense views. `sources`
-    are the model's own parameters behind it: their version counters move with any in-place write, so a
-    copy made before a write is never reused."""
+    the profiler's, a benchmark's) shares one reordered copy, as they share the fused dense views. The copy
+    watches `sources`, the model's own parameters behind the fused weight (a fused tensor made later over the
+    same storage has a version counter of its own), and repacks itself after any in-place write to them."""
     if not isinstance(weight, torch.Tensor):
         return None
     cache = model.__dict__.setdefault("_dspark_packed", {})
-    key = (weight.data_ptr(), tuple(weight.shape), tuple(p._version for p in sources if p is not None))
+    key = (weight.data_ptr(), tuple(weight.shape))
     if key not in cache:
-        cache[key] = pack_linear(weight, bias)
+        cache[key] = pack_linear(weight, bias, sources)
     return cache[key]
 
 

@@ -74,13 +74,20 @@ def test_float32_models_are_not_packed():
 def test_a_weight_written_in_place_is_packed_again():
     model = tiny_model("llama").to(torch.bfloat16)
     tokens = torch.randint(3, VOCAB, (15,), generator=torch.Generator().manual_seed(2))
-    before = forward_logits(RaggedBackend(model, max_slots=1), tokens)
+    alive = RaggedBackend(model, max_slots=1)
+    before = forward_logits(alive, tokens)
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(2)  # a view of the fused weight: its version moves
     after = forward_logits(RaggedBackend(model, max_slots=1), tokens)
     reference = forward_logits(RaggedBackend(model, max_slots=1, packed_weights=False), tokens)
     assert not torch.equal(before[-1], after[-1])
     assert all(torch.equal(a, b) for a, b in zip(after, reference, strict=True))
+    # the backend made before the write serves the written weights too, and so does a qkv write
+    assert all(torch.equal(a, b) for a, b in zip(forward_logits(alive, tokens), reference, strict=True))
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight.add_(0.5)
+    reference = forward_logits(RaggedBackend(model, max_slots=1, packed_weights=False), tokens)
+    assert all(torch.equal(a, b) for a, b in zip(forward_logits(alive, tokens), reference, strict=True))
 
 
 @needs_packing
@@ -168,6 +175,6 @@ def test_automatic_packing_stays_within_a_share_of_memory(monkeypatch):
     assert packed_module.affordable(1 << 20) and not packed_module.affordable(1 << 60)
     monkeypatch.setattr(ragged, "affordable", lambda num_bytes: False)  # a model too big to copy here
     model = tiny_model("llama").to(torch.bfloat16)
-    assert not RaggedBackend(model, max_slots=1).packed_weights
+    assert not RaggedBackend(model, max_slots=1).packed_weights and not ragged.auto_packed(model)  # profile: plain
     if packing_supported(torch.bfloat16, torch.device("cpu")):
         assert RaggedBackend(model, max_slots=1, packed_weights=True).packed_weights  # asked for: packed anyway

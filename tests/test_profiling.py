@@ -43,7 +43,7 @@ def test_packed_and_plain_bf16_forwards_have_separate_profiles(monkeypatch):
     import torch
 
     dense = LoadedTarget(tiny_model("llama").to(torch.bfloat16), None, "tiny", None)
-    monkeypatch.setattr(profiling, "packing_supported", lambda dtype, device: True)
+    monkeypatch.setattr(profiling, "auto_packed", lambda model: True)
     packed = profiling.profile_path(dense, 16).name
-    monkeypatch.setattr(profiling, "packing_supported", lambda dtype, device: False)
+    monkeypatch.setattr(profiling, "auto_packed", lambda model: False)
     assert "bfloat16-packed" in packed and profiling.profile_path(dense, 16).name == packed.replace("-packed", "")
