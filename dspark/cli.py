@@ -221,10 +221,11 @@ def add_eval_parser(subparsers) -> None:
 
 
 def add_profile_parser(subparsers) -> None:
-    parser = subparsers.add_parser("profile", help="measure the target's steps/s SPS(B) for B tokens per forward")
+    parser = subparsers.add_parser("profile", help="measure the target's steps/s SPS_R(B) for B tokens over R requests")
     parser.add_argument("--target", default="default")
-    parser.add_argument("--max-tokens", type=_positive_int, default=64,
-                        help="largest forward to profile: max concurrency × (γ + 1)")
+    parser.add_argument("--max-concurrency", type=_positive_int, default=8,
+                        help="most requests in a round to profile (default 8)")
+    parser.add_argument("--block-size", type=_positive_int, default=7, help="γ: a request sends up to γ + 1 tokens")
     parser.add_argument("--context-tokens", type=_positive_int, action="append",
                         help="cached context per request (repeatable; default 256)")
     add_dtype_arg(parser)
@@ -233,18 +234,20 @@ def add_profile_parser(subparsers) -> None:
 
 def run_profile(args: argparse.Namespace) -> None:
     from dspark.loading import load_target, target_dtype_name
-    from dspark.profiling import profile_path, sps_table
+    from dspark.profiling import profile_path, round_cost
 
     loaded = load_target(args.target, args.dtype)
-    tables = {}
+    profiles = {}
     for context in args.context_tokens or [256]:
-        table = sps_table(loaded, args.max_tokens, context, refresh=True)
+        cost = round_cost(loaded, args.max_concurrency, args.block_size, context, refresh=True)
         print(f"context {context} tokens -> {profile_path(loaded, context)}", file=sys.stderr)
-        for b, sps in enumerate(table.values, 1):
-            print(f"B={b:<4d} SPS={sps:8.2f}/s  step={1000 / sps:7.2f} ms  relative cost={table.values[0] / sps:.3f}",
-                  file=sys.stderr)
-        tables[context] = list(table.values)
-    print(json.dumps({"target": loaded.name, "dtype": target_dtype_name(loaded.model), "sps": tables}))
+        for requests, table in sorted(cost.verify.items()):
+            base = table(requests)
+            for b in range(requests, requests * (args.block_size + 1) + 1):
+                print(f"R={requests:<3d} B={b:<4d} SPS={table(b):8.2f}/s  step={1000 / table(b):7.2f} ms  "
+                      f"relative cost={base / table(b):.3f}", file=sys.stderr)
+        profiles[context] = {str(r): list(t.values) for r, t in sorted(cost.verify.items())}
+    print(json.dumps({"target": loaded.name, "dtype": target_dtype_name(loaded.model), "sps_by_requests": profiles}))
 
 
 def add_serve_parser(subparsers) -> None:

@@ -21,7 +21,15 @@ from dspark.drafters.base import Draft, Drafter
 from dspark.errors import DsparkError
 from dspark.ragged import RaggedBackend, Segment, SlotCache, supports_ragged
 from dspark.sampling import SamplingParams, next_token
-from dspark.scheduler import DEFAULT_BLOCK_SIZE, Scheduler, SchedulerState, StepCurve, get_scheduler, resolve_block_size
+from dspark.scheduler import (
+    DEFAULT_BLOCK_SIZE,
+    RoundCost,
+    Scheduler,
+    SchedulerState,
+    StepCurve,
+    get_scheduler,
+    resolve_block_size,
+)
 from dspark.stats import EngineStats, GenerationStats
 from dspark.target import SerialBackend, TargetOutput
 from dspark.verify import emitted_tokens, verify
@@ -104,7 +112,8 @@ class Engine:
     `scheduler`: a name for `get_scheduler` ("none" = plain decoding, "fixed", "fixed-<n>",
     "threshold[-t]", "dspark", "dspark-async") or a `Scheduler` function. The schedulers see the
     drafts' survival a_k (all ones for drafters without confidences) and `sps`, the target's step
-    rate SPS(B), never the target's answer, so verification stays lossless. `block_size` is γ as given;
+    rate SPS(B) (one curve, or a `RoundCost` with a curve per number of requests and the drafting cost),
+    never the target's answer, so verification stays lossless. `block_size` is γ as given;
     `dspark.factory.build_engine` resolves it against the drafter first.
     """
 
@@ -115,7 +124,7 @@ class Engine:
         *,
         block_size: int = DEFAULT_BLOCK_SIZE,
         scheduler: str | Scheduler = "fixed",
-        sps: StepCurve | None = None,
+        sps: StepCurve | RoundCost | None = None,
         max_concurrency: int | None = None,
         prefill_chunk: int = 512,
         max_context: int | None = None,
@@ -135,7 +144,7 @@ class Engine:
         self.backend = backend
         self.drafter = drafter
         self.block_size = resolve_block_size(block_size, scheduler=scheduler)
-        self.sps = sps
+        self.cost = None if sps is None else RoundCost.of(sps)
         self.max_concurrency = max_concurrency
         self.prefill_chunk = prefill_chunk
         self.max_context = max_context
@@ -188,7 +197,7 @@ class Engine:
         proposed = self._draft(prefilled)
         kept = [(r, d) for r, d in zip(prefilled, proposed, strict=True) if not r.finished]
         drafted = time.perf_counter()
-        drafts = self._scheduled([d for _, d in kept])
+        drafts = self._scheduled([r for r, _ in kept], [d for _, d in kept])
         scheduled = time.perf_counter()
         work = [_Work(r, Segment(r.slot, torch.cat([r.context[-1:], d.tokens.cpu()])), draft=d)
                 for (r, _), d in zip(kept, drafts, strict=True)]
@@ -235,9 +244,10 @@ class Engine:
         """Drafts of every prefilled request; one whose drafting fails is failed (its draft: empty)."""
         num_tokens = [resolve_block_size(self.block_size, request_limit=r.block_size,
                                          tokens_left=r.max_new_tokens - len(r.output_ids)) for r in requests]
-        begin_round = getattr(self.schedule, "begin_round", None)  # dspark-async: K known before drafting
-        if requests and begin_round is not None and not begin_round(self.sps, self.scheduler_state):
-            num_tokens = [0] * len(requests)  # K = 0: nothing would be verified, so draft nothing
+        begin_round = getattr(self.schedule, "begin_round", None)  # dspark-async: K and who drafts known first
+        if requests and begin_round is not None:
+            drafting = begin_round(self.cost, self.scheduler_state, [r.request_id for r in requests])
+            num_tokens = [n if r.request_id in drafting else 0 for r, n in zip(requests, num_tokens, strict=True)]
         active = [i for i, n in enumerate(num_tokens) if n > 0]
         drafts = [Draft.empty() for _ in requests]
         proposed = self._propose([requests[i] for i in active], [num_tokens[i] for i in active])
@@ -272,11 +282,13 @@ class Engine:
             self.fail(request, GenerationFailed("drafting", error))
             return None
 
-    def _scheduled(self, drafts: list[Draft]) -> list[Draft]:
+    def _scheduled(self, requests: list[Request], drafts: list[Draft]) -> list[Draft]:
         if self.schedule is None or not any(len(d) for d in drafts):
             return drafts
         survival = [d.survival.tolist() if d.survival is not None else [1.0] * len(d) for d in drafts]
-        lengths = self.schedule(survival, self.sps, self.scheduler_state)
+        self.scheduler_state.keys = [r.request_id for r in requests]
+        curve = self.cost.curve(len(drafts)) if self.cost is not None else None
+        lengths = self.schedule(survival, curve, self.scheduler_state)
         return [d.truncate(n) for d, n in zip(drafts, lengths, strict=True)]
 
     def _prefill_chunks(self, requests: list[Request]) -> list[tuple[Request, torch.Tensor, bool]]:

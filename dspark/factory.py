@@ -8,8 +8,8 @@ SPS profile it needs and the backend cannot drift apart between entry points.
 from dspark.drafters.base import Drafter
 from dspark.engine import Engine, make_backend
 from dspark.loading import LoadedTarget
-from dspark.profiling import sps_table
-from dspark.scheduler import SPSTable, StepCurve, get_scheduler, resolve_block_size
+from dspark.profiling import draft_cost, round_cost
+from dspark.scheduler import RoundCost, StepCurve, get_scheduler, resolve_block_size
 
 
 def has_confidences(drafter: Drafter) -> bool:
@@ -27,12 +27,12 @@ def scheduler_for(name: str, drafter: Drafter, block_size: int) -> str:
     return name
 
 
-def step_rates(loaded: LoadedTarget, scheduler: str, block_size: int, max_concurrency: int = 1) -> SPSTable | None:
-    """SPS(B) for the "dspark*" schedulers (None for the others), up to the largest forward the engine
-    issues, max_concurrency·(γ + 1) tokens; profiled once per target and cached (`dspark.profiling`)."""
+def step_rates(loaded: LoadedTarget, scheduler: str, block_size: int, max_concurrency: int = 1) -> RoundCost | None:
+    """SPS_R(B) for the "dspark*" schedulers (None for the others), for rounds of up to `max_concurrency`
+    requests of γ + 1 tokens; profiled once per target and cached (`dspark.profiling`)."""
     if not scheduler.startswith("dspark"):
         return None
-    return sps_table(loaded, max_concurrency * (block_size + 1))
+    return round_cost(loaded, max_concurrency, block_size)
 
 
 def build_engine(
@@ -44,13 +44,13 @@ def build_engine(
     max_concurrency: int = 1,
     prefill_chunk: int = 512,
     max_context: int | None = None,
-    sps: StepCurve | None = None,
+    sps: StepCurve | RoundCost | None = None,
     as_named: bool = False,
 ) -> Engine:
     """An engine with `max_concurrency` slots on `loaded`'s model, drafting with `drafter`.
 
-    `block_size`: γ asked for (None: the drafter's own); `sps`: a step-rate table already measured
-    (else profiled when the scheduler needs one). `as_named` runs `scheduler` even on a drafter
+    `block_size`: γ asked for (None: the drafter's own); `sps`: step rates already measured (a `RoundCost`
+    or one curve; else profiled when the scheduler needs one). `as_named` runs `scheduler` even on a drafter
     without confidences, where Algorithm 1 then cuts by SPS(B) alone: the load benchmark compares
     policies by name, everything else lets such a drafter verify every draft.
     """
@@ -59,5 +59,9 @@ def build_engine(
     if sps is None:
         sps = step_rates(loaded, chosen, block_size, max_concurrency)
     backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=max_concurrency)
-    return Engine(backend, drafter, block_size=block_size, scheduler=chosen, sps=sps, max_concurrency=max_concurrency,
-                  prefill_chunk=prefill_chunk, max_context=max_context)
+    engine = Engine(backend, drafter, block_size=block_size, scheduler=chosen, sps=sps, max_concurrency=max_concurrency,
+                    prefill_chunk=prefill_chunk, max_context=max_context)
+    if chosen == "dspark-async" and block_size > 0 and isinstance(sps, RoundCost) and not sps.draft_seconds:
+        # it decides who drafts before drafting, so it weighs the drafter's (profiled) cost too
+        engine.cost = RoundCost(sps.verify, draft_cost(loaded, engine, max_concurrency, block_size))
+    return engine

@@ -1,74 +1,191 @@
-"""Target step-rate profiles SPS(B) for the scheduler, measured once per target and cached as JSON
-next to the converted models (`$DSPARK_CACHE/profiles`)."""
+"""What a round costs, for the load-aware schedulers: the target's step rates SPS_R(B) per number of
+requests R, and the drafter's seconds for n requests. Both are measured once and cached as JSON next to the
+converted models (`$DSPARK_CACHE/profiles`), so a scheduler's decisions (and with them a seeded sampled
+request's draws) do not change from one run to the next."""
 
+import hashlib
 import json
 import math
 import re
+import statistics
+import time
 from pathlib import Path
 
 import torch
 
-from dspark.engine import make_backend
+from dspark.drafters.base import Drafter
+from dspark.engine import Engine, Request, make_backend
+from dspark.errors import DsparkError
 from dspark.loading import LoadedTarget, cache_dir, log, target_dtype_name
 from dspark.ragged import Segment, auto_packed, supports_ragged
-from dspark.scheduler import SPSTable, profile_sps
+from dspark.scheduler import RoundCost, SPSTable, profile_sps
 
-_TABLES: dict[Path, SPSTable] = {}
+_COSTS: dict[Path, RoundCost] = {}
+_DRAFTS: dict[Path, dict[int, float]] = {}
 
 
-def profile_path(loaded: LoadedTarget, context_tokens: int) -> Path:
+def _target_tag(loaded: LoadedTarget) -> str:
     model = loaded.model
     dtype = target_dtype_name(model)  # int4 apart
     if dtype == "bfloat16" and supports_ragged(model) and auto_packed(model):
         dtype += "-packed"  # the forward with oneDNN-packed weights has another cost curve than the plain one
-    tag = f"{loaded.name}-{model.device.type}-{dtype}-t{torch.get_num_threads()}"
-    return cache_dir() / "profiles" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', tag)}-ctx{context_tokens}.json"
+    return f"{loaded.name}-{model.device.type}-{dtype}-t{torch.get_num_threads()}"
 
 
-def measure_sps(loaded: LoadedTarget, max_tokens: int, context_tokens: int = 256, repeats: int = 5,
-                tokens_per_request: int = 8) -> SPSTable:
-    """SPS(B) for B = 1..max_tokens new tokens, as the engine issues them: split over requests of up to
-    `tokens_per_request` tokens (a round's anchor + drafts), each on a cache of `context_tokens`, all
-    in one forward of the engine's backend (rolled back after each). B is measured densely up to 32
-    and every 8 tokens beyond (interpolated in between)."""
-    slots = math.ceil(max_tokens / tokens_per_request)
-    backend = make_backend(loaded.model, max_slots=slots)
+def _safe(tag: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
+
+
+def profile_path(loaded: LoadedTarget, context_tokens: int) -> Path:
+    return cache_dir() / "profiles" / f"{_safe(_target_tag(loaded))}-ctx{context_tokens}-by-requests.json"
+
+
+def request_counts(max_requests: int) -> list[int]:
+    """The R measured: powers of two below `max_requests`, and `max_requests` (interpolated between)."""
+    return sorted({*(1 << i for i in range(max(max_requests, 1).bit_length()) if 1 << i < max_requests), max_requests})
+
+
+def _spread(num_tokens: int, num_requests: int) -> list[int]:
+    """B tokens over R requests as evenly as they go (every request verifies at least its anchor)."""
+    base, extra = divmod(num_tokens, num_requests)
+    return [base + (i < extra) for i in range(num_requests)]
+
+
+def measure_verify(loaded: LoadedTarget, max_requests: int, tokens_per_request: int, context_tokens: int = 256,
+                   repeats: int = 5) -> dict[int, SPSTable]:
+    """SPS_R(B) for each R of `request_counts(max_requests)` and B = R..R·tokens_per_request, as the engine
+    issues them: one forward of the engine's backend over R requests, each on a cache of `context_tokens`
+    (rolled back after each). B is measured densely up to 32 and every 8 tokens beyond (interpolated between);
+    B < R is not a round of R requests and reads as B = R."""
+    backend = make_backend(loaded.model, max_slots=max_requests)
     vocab = min(int(loaded.model.get_output_embeddings().weight.shape[0]), 1000)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(slots):
-        slot = backend.allocate()
+    slots = [backend.allocate() for _ in range(max_requests)]
+    for slot in slots:
         backend.forward([Segment(slot, torch.randint(0, vocab, (context_tokens,), generator=generator), "none")])
-    tokens = torch.randint(0, vocab, (max_tokens,), generator=generator)
+    tokens = torch.randint(0, vocab, (max_requests * tokens_per_request,), generator=generator)
+    tables = {}
+    for requests in request_counts(max_requests):
+        def forward(num_tokens: int, requests: int = requests) -> None:
+            counts = _spread(max(num_tokens, requests), requests)
+            starts = [sum(counts[:i]) for i in range(requests)]
+            segments = [Segment(slots[i], tokens[start : start + n])
+                        for i, (start, n) in enumerate(zip(starts, counts, strict=True))]
+            backend.forward(segments)
+            for segment in segments:
+                backend.rollback(segment.slot, context_tokens)
 
-    def forward(num_tokens: int) -> None:
-        segments = [Segment(slot, tokens[start : min(start + tokens_per_request, num_tokens)])
-                    for slot, start in enumerate(range(0, num_tokens, tokens_per_request))]
-        backend.forward(segments)
-        for segment in segments:
-            backend.rollback(segment.slot, context_tokens)
-
-    sizes = sorted({*range(1, min(max_tokens, 32) + 1), *range(32, max_tokens + 1, 8), max_tokens})
-    return profile_sps(forward, max_tokens, repeats=repeats, sizes=sizes)
+        largest = requests * tokens_per_request
+        sizes = sorted({*range(requests, min(largest, 32) + 1), *range(32, largest + 1, 8), largest})
+        measured = profile_sps(forward, largest, repeats=repeats, sizes=sizes)
+        tables[requests] = SPSTable.from_measurements({b: measured(b) for b in sizes})
+    for slot in slots:
+        backend.release(slot)
+    return tables
 
 
-def sps_table(loaded: LoadedTarget, max_tokens: int, context_tokens: int = 256, refresh: bool = False) -> SPSTable:
-    """The cached profile when it covers `max_tokens`, else a fresh measurement (saved). Kept in memory
-    too, so per-request schedulers do not re-read the file."""
+def _covers(cost: RoundCost, max_requests: int, tokens_per_request: int) -> bool:
+    return all(r in cost.verify and cost.verify[r].max_tokens >= r * tokens_per_request
+               for r in request_counts(max_requests))
+
+
+def round_cost(loaded: LoadedTarget, max_requests: int, block_size: int, context_tokens: int = 256,
+               refresh: bool = False) -> RoundCost:
+    """The cached step rates when they cover rounds of up to `max_requests` requests of γ + 1 tokens, else a
+    fresh measurement (saved). Kept in memory too, so per-request engines do not re-read the file."""
+    tokens_per_request = block_size + 1
     path = profile_path(loaded, context_tokens)
-    remembered = _TABLES.get(path)
-    if remembered is not None and remembered.max_tokens >= max_tokens and not refresh:
+    remembered = _COSTS.get(path)
+    if remembered is not None and _covers(remembered, max_requests, tokens_per_request) and not refresh:
         return remembered
     if path.is_file() and not refresh:
         try:
-            table = SPSTable.from_json(path.read_text())
-            if table.max_tokens >= max_tokens:
-                _TABLES[path] = table
-                return table
-        except (ValueError, KeyError, json.JSONDecodeError):
+            cost = RoundCost.from_json(path.read_text())
+            if _covers(cost, max_requests, tokens_per_request):
+                _COSTS[path] = cost
+                return cost
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
             pass
-    log(f"profiling {loaded.name}'s step rate for 1..{max_tokens} tokens per forward (once; cached in {path})")
-    table = measure_sps(loaded, max_tokens, context_tokens)
+    log(f"profiling {loaded.name}'s step rate for rounds of 1..{max_requests} requests of up to "
+        f"{tokens_per_request} tokens (once; cached in {path})")
+    cost = RoundCost(measure_verify(loaded, max_requests, tokens_per_request, context_tokens))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(table.to_json())
-    _TABLES[path] = table
-    return table
+    path.write_text(cost.to_json())
+    _COSTS[path] = cost
+    return cost
+
+
+# ------------------------------------------------------------------------------------- drafting
+
+
+def drafter_tag(drafter: Drafter) -> str:
+    """What a drafter's cost depends on: its class and configuration (not its trained weights)."""
+    config = getattr(drafter, "config", None)
+    described = repr(config.to_dict() if hasattr(config, "to_dict") else config)
+    return f"{type(drafter).__name__}-{hashlib.sha1(described.encode()).hexdigest()[:12]}"
+
+
+def draft_path(loaded: LoadedTarget, drafter: Drafter, block_size: int, context_tokens: int) -> Path:
+    tag = f"draft-{_target_tag(loaded)}-{drafter_tag(drafter)}-g{block_size}-ctx{context_tokens}"
+    return cache_dir() / "profiles" / f"{_safe(tag)}.json"
+
+
+def measure_draft(loaded: LoadedTarget, engine: Engine, max_requests: int, block_size: int,
+                  context_tokens: int = 256, repeats: int = 5) -> dict[int, float]:
+    """Seconds one batched proposal of `block_size` drafts takes for n requests, n in `request_counts`,
+    on random prompts of `context_tokens` run through the engine's own backend and drafter (an aside
+    engine: the slots are freed after)."""
+    vocab = min(int(loaded.model.get_output_embeddings().weight.shape[0]), 1000)
+    generator = torch.Generator().manual_seed(0)
+    aside = Engine(engine.backend, engine.drafter, block_size=block_size, scheduler="none",
+                   max_concurrency=max_requests)
+    requests = [aside.add(Request(torch.randint(0, vocab, (context_tokens,), generator=generator), 1 << 20))
+                for _ in range(max_requests)]
+    while not all(r.prefilled or r.finished for r in requests):
+        aside.step()
+    failed = next((r.error for r in requests if r.finished), None)
+    if failed is not None:
+        raise DsparkError(f"could not profile the drafter: {failed}") from failed.cause
+    seconds = {}
+    for n in request_counts(max_requests):
+        chosen = requests[:n]
+
+        def propose(chosen: list[Request] = chosen) -> None:
+            engine.drafter.propose_batch([r.drafter_state for r in chosen], [r.context for r in chosen],
+                                         [block_size] * len(chosen), [r.sampling for r in chosen],
+                                         [r.generator for r in chosen])
+
+        propose()
+        timings = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            propose()
+            timings.append(time.perf_counter() - start)
+        seconds[n] = statistics.median(timings)
+    for request in requests:
+        aside.abort(request)
+    return seconds
+
+
+def draft_cost(loaded: LoadedTarget, engine: Engine, max_requests: int, block_size: int,
+               context_tokens: int = 256) -> dict[int, float]:
+    """The drafter's cached seconds per proposal by number of requests, else measured (and saved)."""
+    path = draft_path(loaded, engine.drafter, block_size, context_tokens)
+    remembered = _DRAFTS.get(path)
+    if remembered is not None and max(remembered) >= max_requests:
+        return remembered
+    if path.is_file():
+        try:
+            seconds = {int(n): float(s) for n, s in json.loads(path.read_text())["draft_seconds"].items()}
+            if seconds and max(seconds) >= max_requests and all(math.isfinite(s) and s >= 0 for s in seconds.values()):
+                _DRAFTS[path] = seconds
+                return seconds
+        except (ValueError, KeyError, TypeError, AttributeError, json.JSONDecodeError):
+            pass
+    log(f"profiling the drafter's cost for 1..{max_requests} requests (once; cached in {path})")
+    seconds = measure_draft(loaded, engine, max_requests, block_size, context_tokens)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"draft_seconds": {str(n): s for n, s in seconds.items()}}))
+    _DRAFTS[path] = seconds
+    return seconds
+

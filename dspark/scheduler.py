@@ -128,6 +128,78 @@ class SPSTable:
         return cls(tuple(float(v) for v in json.loads(text)["sps"]))
 
 
+@dataclass(frozen=True)
+class RoundCost:
+    """What a round costs, as the load-aware schedulers see it.
+
+    `verify`: SPS_R(B) by number of requests R — B tokens spread over R requests cost more than the same B
+    in fewer requests (every request attends over its own cache), so one curve packed into requests of γ+1
+    tokens misjudges a round of 8 requests of 1–2 tokens. Between measured R the step time is interpolated
+    linearly, beyond them clamped. `draft_seconds`: what drafting for n requests costs (n → seconds; 0 when
+    unknown). Synchronous Algorithm 1 never needs it (the drafts are made before it runs); the async variant,
+    which decides before drafting, weighs it against the tokens a draft is expected to bring.
+    """
+
+    verify: Mapping[int, StepCurve]
+    draft_seconds: Mapping[int, float] = field(default_factory=dict)
+    _curves: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.verify or any(int(r) < 1 for r in self.verify):
+            raise DsparkError("a round cost needs step rates for at least one request count >= 1")
+        if any(not (math.isfinite(s) and s >= 0) for s in self.draft_seconds.values()):
+            raise DsparkError("draft seconds must be finite and >= 0")
+
+    @classmethod
+    def of(cls, sps: "StepCurve | RoundCost") -> "RoundCost":
+        """A round cost as given, or one curve for every number of requests and free drafting."""
+        return sps if isinstance(sps, RoundCost) else cls({1: sps})
+
+    def curve(self, num_requests: int) -> StepCurve:
+        """SPS(B) for rounds of `num_requests` requests."""
+        curve = self._curves.get(num_requests)
+        if curve is None:
+            counts = sorted(self.verify)
+            upper = next((r for r in counts if r >= num_requests), counts[-1])
+            lower = max((r for r in counts if r <= num_requests), default=upper)
+            if lower == upper:
+                curve = self.verify[upper]
+            else:
+                w = (num_requests - lower) / (upper - lower)
+                low, high = self.verify[lower], self.verify[upper]
+                curve = lambda b: 1.0 / ((1 - w) / low(b) + w / high(b))  # noqa: E731 (step times interpolate)
+            self._curves[num_requests] = curve
+        return curve
+
+    def draft(self, num_requests: int) -> float:
+        """Seconds to draft for `num_requests` requests (linear between measured counts, 0 for none)."""
+        if num_requests <= 0 or not self.draft_seconds:
+            return 0.0
+        points = {int(n): float(s) for n, s in self.draft_seconds.items()}
+        counts = sorted(points)
+        upper = next((n for n in counts if n >= num_requests), None)
+        lower = max((n for n in counts if n <= num_requests), default=None)
+        if upper is None:  # beyond the largest count: extrapolate per request
+            return points[counts[-1]] * num_requests / counts[-1]
+        if lower is None:
+            return points[upper] * num_requests / upper
+        if lower == upper:
+            return points[upper]
+        w = (num_requests - lower) / (upper - lower)
+        return (1 - w) * points[lower] + w * points[upper]
+
+    def to_json(self) -> str:
+        """The measured tables (plain callables are not serialisable: only `SPSTable`s)."""
+        return json.dumps({"sps_by_requests": {str(r): list(t.values) for r, t in sorted(self.verify.items())},
+                           "draft_seconds": {str(n): s for n, s in sorted(self.draft_seconds.items())}})
+
+    @classmethod
+    def from_json(cls, text: str) -> "RoundCost":
+        data = json.loads(text)
+        return cls({int(r): SPSTable(tuple(float(v) for v in values)) for r, values in data["sps_by_requests"].items()},
+                   {int(n): float(s) for n, s in data.get("draft_seconds", {}).items()})
+
+
 def _interpolate(points: Mapping[int, float]) -> list[float]:
     """SPS(1..max B) from a sparse {B: SPS(B)}: linear between measured B, flat before the first."""
     sizes = sorted(int(b) for b in points)
@@ -248,14 +320,40 @@ def retrospective_lengths(survival: Survival, sps: StepCurve) -> list[int]:
     return _lengths_of(order, admitted, len(rows))
 
 
-def async_capacity(survival_two_rounds_ago: Survival, sps: StepCurve, early_stop: bool = False) -> int:
-    """K = total drafts to verify this round, decided from the confidences of two rounds earlier.
+def async_plan(old_survival: Survival, cost: "StepCurve | RoundCost", num_requests: int | None = None
+               ) -> tuple[int, set[int]]:
+    """(K, rows that draft): how many drafts to verify this round and which requests need drafting at all,
+    decided from confidences at least two rounds old (paper §5.2).
 
-    Those confidences cannot depend on this round's drafts, so the search may run without the early
-    stop (paper §5.2: this steps over cliffs of a jagged SPS curve without breaking losslessness).
+    Those cannot depend on this round's drafts, so the search runs the whole admission path without the early
+    stop, and it may also decide who drafts: admitting the k-th best pair costs one more verified token and,
+    if its request has no admitted pair yet, that request's draft. Θ_k = (R + Σ_{i≤k} a_i) /
+    (1/SPS_R(R + k) + draft(n_k)), n_k the requests among the first k pairs; K = the first maximum (K = 0: no
+    one drafts). `num_requests` R defaults to the number of rows.
     """
-    search = dspark_lengths if early_stop else retrospective_lengths
-    return sum(search(survival_two_rounds_ago, sps))
+    rows = _rows(old_survival)
+    cost = RoundCost.of(cost)
+    requests = len(rows) if num_requests is None else num_requests
+    curve = cost.curve(requests)
+    best, capacity, drafting = requests * curve(requests), 0, set()
+    expected, seen = float(requests), set()
+    for k, (a, r, _) in enumerate(_admission_order(rows), start=1):
+        expected += a
+        seen.add(r)
+        theta = expected / (1.0 / curve(requests + k) + cost.draft(len(seen)))
+        if theta > best:
+            best, capacity, drafting = theta, k, set(seen)
+    return capacity, drafting
+
+
+def async_capacity(survival_two_rounds_ago: Survival, sps: "StepCurve | RoundCost", early_stop: bool = False) -> int:
+    """K = total drafts to verify this round, decided from the confidences of two rounds earlier (drafting
+    taken as free unless `sps` is a `RoundCost` that prices it). `early_stop` runs Algorithm 1's early stop
+    instead of the whole path (not needed on old confidences; kept for comparison)."""
+    if early_stop:
+        rows = _rows(survival_two_rounds_ago)
+        return sum(dspark_lengths(rows, RoundCost.of(sps).curve(len(rows))))
+    return async_plan(survival_two_rounds_ago, sps)[0]
 
 
 def topk_lengths(survival: Survival, k: int) -> list[int]:
@@ -269,20 +367,24 @@ def topk_lengths(survival: Survival, k: int) -> list[int]:
 # ------------------------------------------------------------------------ registry by name
 
 
-#: a `dspark-async` round whose capacity is 0 skips drafting, but never more than this many rounds in a row
-#: since the newest survival it has: then it drafts (and schedules synchronously) to refresh its estimate
+#: a `dspark-async` request that has not drafted for this many rounds drafts again (and the round is scheduled
+#: synchronously), so a capacity of 0 cannot switch its drafting off for good
 PROBE_EVERY = 8
 
 
 @dataclass
 class SchedulerState:
-    """What a stateful scheduler remembers between rounds, for `dspark-async`: (round, survival) of the
-    last two rounds that drafted, oldest first; the round number; this round's capacity K (None:
-    schedule synchronously), fixed by `begin_round` before anything is drafted."""
+    """What a stateful scheduler remembers between rounds, for `dspark-async`: per request key, (round,
+    survival) of the last two rounds it drafted in, oldest first; the round number; this round's capacity K
+    (None: schedule synchronously) and the keys that draft, both fixed by `begin_round` before anything is
+    drafted; `keys`, the request of each survival row the scheduler is called with (the engine sets it;
+    default: the row's index)."""
 
-    history: deque = field(default_factory=lambda: deque(maxlen=2))
+    history: dict = field(default_factory=dict)
     round: int = 0
     capacity: int | None = None
+    drafting: set | None = None
+    keys: list | None = None
     begun: bool = False
 
 
@@ -298,31 +400,53 @@ def _dspark(survival: Survival, sps: StepCurve, state: SchedulerState | None) ->
     return dspark_lengths(survival, sps)
 
 
-def _async_begin_round(sps: StepCurve, state: SchedulerState) -> bool:
-    """Start the next round: K from the newest survival at least two rounds old (it cannot depend on this
-    round's drafts, so skipping on it is lossless). Returns False when K = 0: no draft would be verified, so
-    none need be made. Probing: if the newest survival of any age is over PROBE_EVERY rounds old, the round
-    drafts under synchronous Algorithm 1, so a capacity of 0 cannot switch drafting off for good."""
+def _async_begin_round(cost: "StepCurve | RoundCost", state: SchedulerState, keys: Sequence | None = None) -> set:
+    """Start the next round of the requests `keys` (default: the rows of the last call, or one): fixes K and
+    returns the keys that draft (empty: none need to, since none would be verified).
+
+    Both come from each request's newest survival at least two rounds old (it cannot depend on this round's
+    drafts, so skipping on it is lossless; `async_plan`). A request without such a survival (new), or whose
+    newest is over PROBE_EVERY rounds old, drafts to probe, and then the round is scheduled by synchronous
+    Algorithm 1 (also lossless), as every round is until two have been seen."""
     state.round += 1
-    old = [rows for number, rows in state.history if number <= state.round - 2]
-    newest = state.history[-1][0] if state.history else None
-    probe = not old or state.round - newest > PROBE_EVERY
-    state.capacity = None if probe else async_capacity(old[-1], sps)
+    if keys is None:
+        keys = list(range(len(state.keys))) if state.keys is not None else [0]
+    keys = list(keys)
+    for gone in [key for key in state.history if key not in keys]:
+        del state.history[gone]
+    old, probing = {}, set()
+    for key in keys:
+        rounds = state.history.get(key, ())
+        usable = [rows for number, rows in rounds if number <= state.round - 2]
+        if not usable or state.round - rounds[-1][0] > PROBE_EVERY:
+            probing.add(key)
+        else:
+            old[key] = usable[-1]
+    planned = [key for key in keys if key in old]
+    capacity, rows = async_plan([old[key] for key in planned], cost, len(keys)) if planned else (0, set())
+    state.drafting = probing | {planned[i] for i in rows}
+    state.capacity = None if probing else capacity
     state.begun = True
-    return state.capacity != 0
+    return state.drafting
 
 
 def _dspark_async(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> list[int]:
-    """Top-K with K from two rounds ago; until two rounds have been seen (or without a state) it falls
-    back to synchronous Algorithm 1, which is lossless too. The engine calls `begin_round` first (and
-    skips drafting when it says so); a caller that does not gets one round per call."""
+    """Top-K with K from two rounds ago; until two rounds have been seen, or while a request probes (or
+    without a state), synchronous Algorithm 1, which is lossless too. The engine calls `begin_round` first
+    (and drafts only for the keys it returns); a caller that does not gets one round per call."""
+    rows = _rows(survival)
     if state is None:
-        return dspark_lengths(survival, sps)
+        return dspark_lengths(rows, sps)
+    keys = list(state.keys) if state.keys is not None else list(range(len(rows)))
+    if len(keys) != len(rows):
+        raise DsparkError(f"{len(keys)} request keys for {len(rows)} survival rows")
     if not state.begun:
-        _async_begin_round(sps, state)
+        _async_begin_round(sps, state, keys)
     state.begun = False
-    lengths = dspark_lengths(survival, sps) if state.capacity is None else topk_lengths(survival, state.capacity)
-    state.history.append((state.round, _rows(survival)))
+    lengths = dspark_lengths(rows, sps) if state.capacity is None else topk_lengths(rows, state.capacity)
+    for key, row in zip(keys, rows, strict=True):
+        if row:  # a request that did not draft keeps its older survival
+            state.history.setdefault(key, deque(maxlen=2)).append((state.round, row))
     return lengths
 
 

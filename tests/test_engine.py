@@ -251,6 +251,42 @@ def test_dspark_async_skips_drafting_when_its_capacity_is_zero(confidence):
         assert drafter.proposals >= rounds - 1 and rounds < 30  # the last round may have no tokens left to draft
 
 
+class PromptConfidenceDrafter(MarkovDrafter):
+    """Confident (0.99) for requests whose prompt starts with token 0, hopeless (0.001) for the others; counts
+    the proposals per first prompt token."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__(table)
+        self.proposals: dict[int, int] = {}
+
+    def propose(self, state, context, num_tokens, sampling, generator) -> Draft:
+        draft = super().propose(state, context, num_tokens, sampling, generator)
+        if not len(draft):
+            return draft
+        first = int(context[0])
+        self.proposals[first] = self.proposals.get(first, 0) + 1
+        return Draft(draft.tokens, draft.q, torch.full((len(draft),), 0.99 if first == 0 else 0.001))
+
+
+def test_dspark_async_drafts_only_for_requests_it_will_verify():
+    """Two requests decoded together: the confident one drafts every round, the hopeless one only to probe, and
+    both outputs are still the target's greedy chains."""
+    target_table, _ = random_tables(8, seed=3)
+    drafter = PromptConfidenceDrafter(target_table)
+    steep = SPSTable(tuple(1.0 / (1.0 + 0.05 * b) for b in range(1, 40)))
+    engine = Engine(SerialBackend([MarkovTarget(target_table) for _ in range(2)]), drafter, block_size=4,
+                    scheduler="dspark-async", sps=steep)
+    requests = [Request(torch.tensor([first, 3]), 60, SamplingParams()) for first in (0, 1)]
+    engine.run(requests)
+    for request in requests:
+        reference = Request(request.prompt_ids.clone(), 60, SamplingParams())
+        Engine(SerialBackend([MarkovTarget(target_table)]), NoDrafter(), block_size=4).run([reference])
+        assert request.output_ids == reference.output_ids
+    confident, hopeless = (r.stats.num_rounds for r in requests)
+    assert drafter.proposals[0] >= confident - 2 and confident < 20  # the last round may have no tokens to draft
+    assert drafter.proposals[1] <= 2 + hopeless // PROBE_EVERY < hopeless // 4
+
+
 def test_an_idle_engine_reproduces_a_seeded_sampled_request_under_dspark_async():
     """dspark-async schedules from the rounds before; an engine that has drained forgets them, so the same
     seeded sampled request run again alone draws the same tokens (the server's `seed` relies on it)."""

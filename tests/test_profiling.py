@@ -1,34 +1,85 @@
-"""The target's SPS profile is measured once, written to the cache and then reused."""
+"""What a round costs is measured once, written to the cache and then reused: the target's step rates per
+number of requests, and the drafter's seconds per proposal."""
 
 import pytest
+import torch
 from conftest import tiny_model
+from test_engine import random_dspark
 
 from dspark import profiling
+from dspark.factory import build_engine
 from dspark.loading import LoadedTarget
+from dspark.scheduler import RoundCost
+
+
+def test_request_counts_are_powers_of_two_and_the_maximum():
+    assert profiling.request_counts(1) == [1]
+    assert profiling.request_counts(8) == [1, 2, 4, 8]
+    assert profiling.request_counts(6) == [1, 2, 4, 6]
 
 
 def test_profile_is_measured_once_then_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
-    monkeypatch.setattr(profiling, "_TABLES", {})
+    monkeypatch.setattr(profiling, "_COSTS", {})
     loaded = LoadedTarget(tiny_model("llama"), None, "tiny", None)
-    table = profiling.sps_table(loaded, max_tokens=4, context_tokens=16)
-    assert table.max_tokens == 4 and all(a >= b for a, b in zip(table.values, table.values[1:], strict=False))
+    cost = profiling.round_cost(loaded, max_requests=2, block_size=1, context_tokens=16)
+    assert sorted(cost.verify) == [1, 2]
+    assert cost.verify[1].max_tokens == 2 and cost.verify[2].max_tokens == 4  # B up to R·(γ + 1)
+    for table in cost.verify.values():
+        assert all(a >= b for a, b in zip(table.values, table.values[1:], strict=False))
     assert profiling.profile_path(loaded, 16).is_file()
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("profile measured again")
 
-    monkeypatch.setattr(profiling, "measure_sps", no_measuring)
-    assert profiling.sps_table(loaded, max_tokens=3, context_tokens=16) == table  # from memory
-    monkeypatch.setattr(profiling, "_TABLES", {})
-    assert profiling.sps_table(loaded, max_tokens=4, context_tokens=16) == table  # from the file
+    monkeypatch.setattr(profiling, "measure_verify", no_measuring)
+    assert profiling.round_cost(loaded, max_requests=1, block_size=1, context_tokens=16) == cost  # from memory
+    monkeypatch.setattr(profiling, "_COSTS", {})
+    assert profiling.round_cost(loaded, max_requests=2, block_size=1, context_tokens=16) == cost  # from the file
     with pytest.raises(AssertionError, match="measured again"):
-        profiling.sps_table(loaded, max_tokens=8, context_tokens=16)  # a longer table must be measured
+        profiling.round_cost(loaded, max_requests=4, block_size=1, context_tokens=16)  # more requests: measured
+    with pytest.raises(AssertionError, match="measured again"):
+        profiling.round_cost(loaded, max_requests=2, block_size=3, context_tokens=16)  # longer rounds: measured
+
+
+def test_a_corrupt_profile_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    monkeypatch.setattr(profiling, "_COSTS", {})
+    loaded = LoadedTarget(tiny_model("llama"), None, "tiny", None)
+    path = profiling.profile_path(loaded, 16)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"sps": [1.0, 0.5]}')  # the old one-curve format
+    cost = profiling.round_cost(loaded, max_requests=1, block_size=1, context_tokens=16)
+    assert RoundCost.from_json(path.read_text()) == cost
+
+
+def test_dspark_async_engines_price_drafting_once(tmp_path, monkeypatch):
+    """build_engine gives dspark-async the drafter's measured seconds per proposal, growing with the number of
+    requests; the measurement is cached per drafter configuration and its aside requests free their slots."""
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    monkeypatch.setattr(profiling, "_COSTS", {})
+    monkeypatch.setattr(profiling, "_DRAFTS", {})
+    model = tiny_model("llama", num_layers=3)
+    loaded = LoadedTarget(model, None, "tiny", None)
+    drafter = random_dspark(model)
+    engine = build_engine(loaded, drafter, scheduler="dspark-async", max_concurrency=4, block_size=3)
+    seconds = engine.cost.draft_seconds
+    assert sorted(seconds) == [1, 2, 4] and all(s > 0 for s in seconds.values())
+    assert engine.cost.draft(3) == pytest.approx((seconds[2] + seconds[4]) / 2)
+    assert all(engine.backend.allocate() is not None for _ in range(4))  # every slot free again
+    assert profiling.draft_path(loaded, drafter, 3, 256).is_file()
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("drafter measured again")
+
+    monkeypatch.setattr(profiling, "measure_draft", no_measuring)
+    monkeypatch.setattr(profiling, "_DRAFTS", {})
+    again = build_engine(loaded, drafter, scheduler="dspark-async", max_concurrency=4, block_size=3)
+    assert again.cost.draft_seconds == seconds  # from the file
+    assert not build_engine(loaded, drafter, scheduler="dspark", max_concurrency=4, block_size=3).cost.draft_seconds
 
 
 def test_int4_and_dense_targets_have_separate_profiles():
-    import torch
-
     from dspark.quantize import quantize_int4_
 
     dense = LoadedTarget(tiny_model("llama").to(torch.bfloat16), None, "tiny", None)
@@ -40,8 +91,6 @@ def test_int4_and_dense_targets_have_separate_profiles():
 
 def test_packed_and_plain_bf16_forwards_have_separate_profiles(monkeypatch):
     """Packing the weights (dspark.packed) changes the cost curve, so a profile of the plain forward is not reused."""
-    import torch
-
     dense = LoadedTarget(tiny_model("llama").to(torch.bfloat16), None, "tiny", None)
     monkeypatch.setattr(profiling, "auto_packed", lambda model: True)
     packed = profiling.profile_path(dense, 16).name

@@ -16,9 +16,11 @@ from dspark.sampling import sample
 from dspark.scheduler import (
     DEFAULT_BLOCK_SIZE,
     PROBE_EVERY,
+    RoundCost,
     SchedulerState,
     SPSTable,
     async_capacity,
+    async_plan,
     dspark_lengths,
     fixed_lengths,
     get_scheduler,
@@ -243,7 +245,54 @@ def test_dspark_async_begin_round_skips_on_zero_capacity_and_probes():
             assert state.capacity == 0  # known before drafting, from survival at least two rounds old
     # rounds 1-2 synchronous, then a probe once the newest survival is PROBE_EVERY + 1 rounds old
     assert drafted == [1, 2, 3 + PROBE_EVERY, 4 + 2 * PROBE_EVERY, 5 + 3 * PROBE_EVERY]
-    assert [number for number, _ in state.history] == drafted[-2:]
+    assert [number for number, _ in state.history[0]] == drafted[-2:]
+
+
+def test_round_cost_interpolates_step_time_between_request_counts():
+    one, four = table(lambda b: 1 / (0.01 + 0.001 * b), 40), table(lambda b: 1 / (0.03 + 0.001 * b), 40)
+    cost = RoundCost({1: one, 4: four}, {1: 0.002, 4: 0.005})
+    assert cost.curve(1) is one and cost.curve(4) is four and cost.curve(9) is four  # clamped beyond
+    assert 1 / cost.curve(2)(10) == pytest.approx(0.02 + 0.02 / 3)  # a third of the way from R = 1 to R = 4
+    assert cost.draft(0) == 0.0 and cost.draft(2) == pytest.approx(0.003) and cost.draft(8) == pytest.approx(0.01)
+    assert RoundCost.from_json(cost.to_json()) == cost
+    assert RoundCost.of(one).curve(7) is one and RoundCost.of(cost) is cost
+    with pytest.raises(DsparkError):
+        RoundCost({})
+    with pytest.raises(DsparkError):
+        RoundCost({1: one}, {1: float("nan")})
+
+
+def test_async_plan_weighs_the_draft_against_what_it_brings():
+    """Free drafting: the plan is the retrospective search, and only the requests with admitted drafts draft.
+    Priced drafting: a draft that brings little is not worth making (K = 0, no one drafts)."""
+    flat = table(lambda b: 1 / (0.02 + 0.0005 * b))
+    survival = [[0.9, 0.8, 0.1], [0.05, 0.01, 0.0], [0.7, 0.2, 0.1]]
+    capacity, rows = async_plan(survival, flat)
+    assert capacity == sum(retrospective_lengths(survival, flat)) and rows == {0, 2}
+    assert async_plan(survival, RoundCost({1: flat}, {1: 0.2})) == (0, set())  # 0.2 s a draft: never pays
+    cheap = async_plan(survival, RoundCost({1: flat}, {1: 0.001, 3: 0.003}))
+    assert cheap[1] <= {0, 2} and cheap[0] >= 2
+
+
+def test_dspark_async_drafts_only_for_the_requests_it_planned():
+    """Requests keyed by id: a new one probes (the round runs synchronous Algorithm 1); afterwards each
+    request's own survival two rounds old decides whether it drafts; a request that leaves is forgotten."""
+    sps = table(lambda b: 1 / (0.02 + 0.0005 * b))
+    confident, hopeless = [0.99] * 4, [0.001] * 4
+    scheduler, state = get_scheduler("dspark-async"), SchedulerState()
+    for _ in range(2):  # rounds 1-2: nothing two rounds old yet
+        assert scheduler.begin_round(sps, state, ["a", "b"]) == {"a", "b"} and state.capacity is None
+        state.keys = ["a", "b"]
+        scheduler([confident, hopeless], sps, state)
+    assert scheduler.begin_round(sps, state, ["a", "b"]) == {"a"} and state.capacity == 4
+    state.keys = ["a", "b"]
+    assert scheduler([confident, []], sps, state) == [4, 0]  # b did not draft: it keeps its older survival
+    assert [number for number, _ in state.history["b"]] == [1, 2]
+    assert scheduler.begin_round(sps, state, ["a", "c"]) == {"a", "c"} and state.capacity is None  # c probes
+    assert "b" not in state.history
+    state.keys = ["a", "c"]
+    with pytest.raises(DsparkError, match="keys"):
+        scheduler([confident], sps, state)
 
 
 def test_scheduler_overhead_runs():
