@@ -122,6 +122,9 @@ def add_bench_parser(subparsers) -> None:
     load.add_argument("--num-requests", type=_positive_int, default=8)
     load.add_argument("--max-new-tokens", type=_positive_int, default=48)
     load.add_argument("--block-size", type=_positive_int, default=None)
+    load.add_argument("--repeats", type=_positive_int, default=1,
+                      help="passes over every policy per level, each in another rotated order; tokens/s is the "
+                           "median of the passes (default 1)")
     load.add_argument("--policy", action="append", default=None,
                       help="scheduling policies to compare (repeatable; default: none, fixed-1/3/5/7, threshold, "
                            "dspark, dspark-async)")

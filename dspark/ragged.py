@@ -222,9 +222,13 @@ class RaggedBackend:
             q, k = layer.q_norm(q), layer.k_norm(k)
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         keys, values = self.cache.keys[index], self.cache.values[index]
-        for slot, start, size, offset in plan.rows():
-            keys[slot, :, start : start + size] = k[offset : offset + size].transpose(0, 1)
-            values[slot, :, start : start + size] = v[offset : offset + size].transpose(0, 1)
+        if len(plan.slots) == 1:  # a slice copy
+            slot, start, size = plan.slots[0], plan.starts[0], plan.sizes[0]
+            keys[slot, :, start : start + size] = k.transpose(0, 1)
+            values[slot, :, start : start + size] = v.transpose(0, 1)
+        else:  # every request's new rows in one indexed write, not two copies per request and layer
+            keys[plan.slot_index, :, plan.position_index] = k
+            values[plan.slot_index, :, plan.position_index] = v
         gqa = self.num_heads != self.num_kv_heads
         if self.attention == "padded" and len(plan.slots) > 1:
             out = plan.padded_attention(q, keys, values, gqa)
@@ -409,6 +413,9 @@ class _AttentionPlan:
         self.starts, self.sizes = starts, sizes
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.device = device
+        # (N,) cache coordinates of every new row, for the one indexed cache write per layer
+        self.slot_index = torch.repeat_interleave(torch.tensor(self.slots), torch.tensor(sizes)).to(device)
+        self.position_index = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, sizes, strict=True)]).to(device)
         self._masks: dict[tuple[int, int], torch.Tensor | None] = {}
         self._padded: tuple | None = None
 
@@ -427,27 +434,37 @@ class _AttentionPlan:
 
     def padded_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          gqa: bool) -> torch.Tensor:
-        """One SDPA over (R, H, T_max, L_max) with a mask; padding rows attend to position 0."""
+        """One SDPA over (R, H, T_max, L_max) with a mask; padding rows attend to position 0. When the
+        segments' slots form a contiguous range (every slot busy, typically) the caches are read as a view,
+        else gathered."""
         if self._padded is None:
-            longest = max(self.sizes)
-            context = max(a + n for a, n in zip(self.starts, self.sizes, strict=True))
-            slots = torch.tensor(self.slots, device=self.device)
+            count = len(self.slots)
+            lowest = min(self.slots)
+            contiguous = sorted(self.slots) == list(range(lowest, lowest + count))
+            batch_of = [slot - lowest for slot in self.slots] if contiguous else list(range(count))
+            starts, sizes = [0] * count, [1] * count
+            for i, b in enumerate(batch_of):
+                starts[b], sizes[b] = self.starts[i], self.sizes[i]
+            longest = max(sizes)
+            context = max(a + n for a, n in zip(starts, sizes, strict=True))
+            cache_rows = slice(lowest, lowest + count) if contiguous else torch.tensor(self.slots, device=self.device)
             row = torch.arange(longest, device=self.device)
-            starts = torch.tensor(self.starts, device=self.device)[:, None]
-            sizes = torch.tensor(self.sizes, device=self.device)[:, None]
-            flat = torch.cat([torch.arange(o, o + n) for o, n in zip(self.offsets, self.sizes, strict=True)])
-            batch_index = torch.repeat_interleave(torch.arange(len(self.sizes)), torch.tensor(self.sizes))
-            row_index = flat - torch.tensor(self.offsets)[batch_index]
+            starts_t = torch.tensor(starts, device=self.device)[:, None]
+            sizes_t = torch.tensor(sizes, device=self.device)[:, None]
+            segment = torch.repeat_interleave(torch.arange(count), torch.tensor(self.sizes))
+            flat = torch.arange(int(segment.numel()))
+            row_index = flat - torch.tensor(self.offsets)[segment]
+            batch_index = torch.tensor(batch_of)[segment]
             columns = torch.arange(context, device=self.device)
-            mask = columns[None, None, :] <= (starts + row)[:, :, None]
-            mask = mask | ((row[None, :] >= sizes)[:, :, None] & (columns == 0))
-            self._padded = (slots, longest, context, mask[:, None], batch_index.to(self.device),
+            mask = columns[None, None, :] <= (starts_t + row)[:, :, None]
+            mask = mask | ((row[None, :] >= sizes_t)[:, :, None] & (columns == 0))
+            self._padded = (cache_rows, longest, context, mask[:, None], batch_index.to(self.device),
                             row_index.to(self.device))
-        slots, longest, context, mask, batch_index, row_index = self._padded
+        cache_rows, longest, context, mask, batch_index, row_index = self._padded
         padded = q.new_zeros(len(self.slots), longest, q.shape[1], q.shape[2])
         padded[batch_index, row_index] = q
         out = F.scaled_dot_product_attention(
-            padded.transpose(1, 2), keys[slots, :, :context], values[slots, :, :context],
+            padded.transpose(1, 2), keys[cache_rows, :, :context], values[cache_rows, :, :context],
             attn_mask=mask, enable_gqa=gqa,
         )
         return out.transpose(1, 2)[batch_index, row_index]

@@ -19,6 +19,9 @@ Schedulers here are pure functions of the survival lists, so they can be tested 
 - `retrospective_lengths`: the same path without the early stop (the best prefix of the whole
   path). NOT lossless (paper appendix A: a_{r,k+1} depends on x_{r,k}, so whether x_{r,k} is
   verified would depend on its own value); kept as the negative control of the tests;
+- `async_plan`: before anything is drafted, both dspark schedulers ask it which requests should draft at all,
+  from survival at least two rounds old, pricing the drafter's cost against what a draft is expected to
+  bring (a request that would not be verified drafts nothing);
 - `async_capacity` + `topk_lengths`: the production variant (paper §5.2). The capacity K comes
   from a search over confidences of two rounds earlier (so the step size is known in advance, and
   the search may drop the early stop: it cannot see the current drafts); the current round then
@@ -396,18 +399,14 @@ def _none(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> l
     return [0] * len(_rows(survival))
 
 
-def _dspark(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> list[int]:
-    return dspark_lengths(survival, sps)
-
-
-def _async_begin_round(cost: "StepCurve | RoundCost", state: SchedulerState, keys: Sequence | None = None) -> set:
-    """Start the next round of the requests `keys` (default: the rows of the last call, or one): fixes K and
-    returns the keys that draft (empty: none need to, since none would be verified).
+def _plan_round(cost: "StepCurve | RoundCost", state: SchedulerState, keys: Sequence | None = None) -> set:
+    """Start the next round of the requests `keys` (default: the rows of the last call, or one): fixes the
+    async capacity K and returns the keys that draft (empty: none need to, since none would be verified).
 
     Both come from each request's newest survival at least two rounds old (it cannot depend on this round's
     drafts, so skipping on it is lossless; `async_plan`). A request without such a survival (new), or whose
-    newest is over PROBE_EVERY rounds old, drafts to probe, and then the round is scheduled by synchronous
-    Algorithm 1 (also lossless), as every round is until two have been seen."""
+    newest is over PROBE_EVERY rounds old, drafts to probe, and then dspark-async schedules the round by
+    synchronous Algorithm 1 (also lossless), as every round is until two have been seen."""
     state.round += 1
     if keys is None:
         keys = list(range(len(state.keys))) if state.keys is not None else [0]
@@ -430,27 +429,46 @@ def _async_begin_round(cost: "StepCurve | RoundCost", state: SchedulerState, key
     return state.drafting
 
 
-def _dspark_async(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> list[int]:
-    """Top-K with K from two rounds ago; until two rounds have been seen, or while a request probes (or
-    without a state), synchronous Algorithm 1, which is lossless too. The engine calls `begin_round` first
-    (and drafts only for the keys it returns); a caller that does not gets one round per call."""
+def _run_round(survival: Survival, sps: StepCurve, state: SchedulerState | None,
+               lengths_of: Callable[[list[list[float]], SchedulerState | None], list[int]]) -> list[int]:
+    """One round of a planning scheduler: plan it if the caller did not (`begin_round`), schedule the rows,
+    remember each drafting request's survival under its key."""
     rows = _rows(survival)
     if state is None:
-        return dspark_lengths(rows, sps)
+        return lengths_of(rows, None)
     keys = list(state.keys) if state.keys is not None else list(range(len(rows)))
     if len(keys) != len(rows):
         raise DsparkError(f"{len(keys)} request keys for {len(rows)} survival rows")
     if not state.begun:
-        _async_begin_round(sps, state, keys)
+        _plan_round(sps, state, keys)
     state.begun = False
-    lengths = dspark_lengths(rows, sps) if state.capacity is None else topk_lengths(rows, state.capacity)
+    lengths = lengths_of(rows, state)
     for key, row in zip(keys, rows, strict=True):
         if row:  # a request that did not draft keeps its older survival
             state.history.setdefault(key, deque(maxlen=2)).append((state.round, row))
     return lengths
 
 
-_dspark_async.begin_round = _async_begin_round
+def _dspark(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> list[int]:
+    """Algorithm 1 on the current confidences of the requests that drafted; which requests draft comes from
+    `begin_round`'s plan (the skip is decided before drafting, so Algorithm 1's guarantee is untouched)."""
+    return _run_round(survival, sps, state, lambda rows, state: dspark_lengths(rows, sps))
+
+
+def _dspark_async(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> list[int]:
+    """Top-K with K from two rounds ago; until two rounds have been seen, or while a request probes (or
+    without a state), synchronous Algorithm 1, which is lossless too. The engine calls `begin_round` first
+    (and drafts only for the keys it returns); a caller that does not gets one round per call."""
+    def lengths_of(rows: list[list[float]], state: SchedulerState | None) -> list[int]:
+        if state is None or state.capacity is None:
+            return dspark_lengths(rows, sps)
+        return topk_lengths(rows, state.capacity)
+
+    return _run_round(survival, sps, state, lengths_of)
+
+
+_dspark.begin_round = _plan_round
+_dspark_async.begin_round = _plan_round
 
 
 def get_scheduler(name: str) -> Scheduler:

@@ -18,9 +18,9 @@ def test_bench_load_sweeps_policies_and_concurrency(tiny_on_disk, tmp_path, monk
     policies = ["none", "fixed-3", "dspark", "dspark-async"]
     report = run_cli(capsys, "bench", "load", "--target", tiny_on_disk / "target", "--drafter",
                      tiny_on_disk / "drafter", "--dataset", tiny_on_disk / "gsm8k.jsonl", "--max-concurrency", 3,
-                     "--num-requests", 3, "--max-new-tokens", 6, "--plot-dir", tmp_path / "plots",
+                     "--num-requests", 3, "--max-new-tokens", 6, "--plot-dir", tmp_path / "plots", "--repeats", 2,
                      *[arg for p in policies for arg in ("--policy", p)])
-    assert report["concurrency"] == [1, 2, 3] and report["dtype"] == "float32"
+    assert report["concurrency"] == [1, 2, 3] and report["dtype"] == "float32" and report["repeats"] == 2
     assert list(report["policies"]) == policies
     for row in report["policies"].values():
         assert len(row["throughput"]) == len(row["per_user"]) == len(row["budget"]) == 3
@@ -28,6 +28,10 @@ def test_bench_load_sweeps_policies_and_concurrency(tiny_on_disk, tmp_path, monk
     assert report["policies"]["none"]["budget"] == [0.0, 0.0, 0.0]
     assert all(0 < b <= 3 for b in report["policies"]["fixed-3"]["budget"])
     assert len(report["dspark_vs_best_fixed"]) == 3
+    for policy in ("dspark", "dspark-async"):  # against the best of none and fixed-3 at each level
+        best = [max(report["policies"][b]["throughput"][i] for b in ("none", "fixed-3")) for i in range(3)]
+        expected = [t / b for t, b in zip(report["policies"][policy]["throughput"], best, strict=True)]
+        assert report["vs_best_static"][policy] == pytest.approx(expected, abs=1e-3)
     assert all((tmp_path / "plots" / name).stat().st_size > 0 for name in ("load_frontier.png", "load_budget.png"))
 
 

@@ -65,6 +65,24 @@ def test_ragged_forward_matches_hf(arch, attention):
     assert ragged.length(slots[0]) == sequences[0].shape[0]
 
 
+@pytest.mark.parametrize("busy", [[0, 1, 2, 3], [3, 0, 2]])
+def test_padded_attention_reads_contiguous_and_scattered_slots(busy):
+    """All slots busy (the caches are read as a view, segments in any order) or a gap between them (gathered):
+    one decode token per request equals the loop's result."""
+    model = model_of("llama")
+    sequences = prompts(len(busy), seed=2)
+    outputs = {}
+    for attention in ("loop", "padded"):
+        ragged = RaggedBackend(model, max_slots=4, attention=attention)
+        slots = [ragged.allocate() for _ in range(4)]
+        assert sorted(slots) == [0, 1, 2, 3]
+        pairs = list(zip(busy, sequences, strict=True))
+        ragged.forward([Segment(slot, q[:-1], "none") for slot, q in pairs])
+        outputs[attention] = ragged.forward([Segment(slot, q[-1:], "all") for slot, q in pairs])
+    for loop, padded in zip(outputs["loop"], outputs["padded"], strict=True):
+        torch.testing.assert_close(padded.logits, loop.logits, atol=1e-4, rtol=1e-4)
+
+
 def test_ragged_refuses_unsupported_models_and_the_engine_falls_back():
     gpt2 = tiny_model("gpt2")
     with pytest.raises(DsparkError, match="ragged batching supports"):
@@ -268,14 +286,15 @@ class PromptConfidenceDrafter(MarkovDrafter):
         return Draft(draft.tokens, draft.q, torch.full((len(draft),), 0.99 if first == 0 else 0.001))
 
 
-def test_dspark_async_drafts_only_for_requests_it_will_verify():
+@pytest.mark.parametrize("scheduler", ["dspark", "dspark-async"])
+def test_dspark_schedulers_draft_only_for_requests_they_will_verify(scheduler):
     """Two requests decoded together: the confident one drafts every round, the hopeless one only to probe, and
     both outputs are still the target's greedy chains."""
     target_table, _ = random_tables(8, seed=3)
     drafter = PromptConfidenceDrafter(target_table)
     steep = SPSTable(tuple(1.0 / (1.0 + 0.05 * b) for b in range(1, 40)))
     engine = Engine(SerialBackend([MarkovTarget(target_table) for _ in range(2)]), drafter, block_size=4,
-                    scheduler="dspark-async", sps=steep)
+                    scheduler=scheduler, sps=steep)
     requests = [Request(torch.tensor([first, 3]), 60, SamplingParams()) for first in (0, 1)]
     engine.run(requests)
     for request in requests:
