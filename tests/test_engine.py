@@ -286,15 +286,14 @@ class PromptConfidenceDrafter(MarkovDrafter):
         return Draft(draft.tokens, draft.q, torch.full((len(draft),), 0.99 if first == 0 else 0.001))
 
 
-@pytest.mark.parametrize("scheduler", ["dspark", "dspark-async"])
-def test_dspark_schedulers_draft_only_for_requests_they_will_verify(scheduler):
+def test_dspark_async_drafts_only_for_requests_it_will_verify():
     """Two requests decoded together: the confident one drafts every round, the hopeless one only to probe, and
     both outputs are still the target's greedy chains."""
     target_table, _ = random_tables(8, seed=3)
     drafter = PromptConfidenceDrafter(target_table)
     steep = SPSTable(tuple(1.0 / (1.0 + 0.05 * b) for b in range(1, 40)))
     engine = Engine(SerialBackend([MarkovTarget(target_table) for _ in range(2)]), drafter, block_size=4,
-                    scheduler=scheduler, sps=steep)
+                    scheduler="dspark-async", sps=steep)
     requests = [Request(torch.tensor([first, 3]), 60, SamplingParams()) for first in (0, 1)]
     engine.run(requests)
     for request in requests:
