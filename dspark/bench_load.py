@@ -22,8 +22,9 @@ from dspark.engine import Request
 from dspark.eval.datasets import load_prompts
 from dspark.factory import build_engine, step_rates
 from dspark.loading import load_target, target_dtype_name
+from dspark.profiling import draft_cost
 from dspark.ragged import RaggedBackend, Segment
-from dspark.scheduler import resolve_block_size
+from dspark.scheduler import RoundCost, resolve_block_size
 from dspark.text import eos_token_ids, prompt_ids
 
 DEFAULT_POLICIES = ("none", "fixed-1", "fixed-3", "fixed-5", "fixed-7", "threshold", "dspark", "dspark-async")
@@ -78,6 +79,8 @@ def run_load_bench(args: argparse.Namespace) -> dict:
     sps = None  # one profile, for the largest concurrency, shared by every level
     if any(p.startswith("dspark") for p in policies):
         sps = step_rates(loaded, "dspark", block_size, args.max_concurrency)
+    if "dspark-async" in policies and block_size > 0:  # its drafting cost too, once for every level
+        sps = RoundCost(sps.verify, draft_cost(loaded, drafter, args.max_concurrency, block_size))
 
     results: dict[str, dict[str, list]] = {p: {"throughput": [], "per_user": [], "budget": [], "tau": [],
                                                "scheduler_share": [], "identical_to_none": []} for p in policies}

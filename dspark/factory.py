@@ -58,10 +58,9 @@ def build_engine(
     chosen = scheduler if as_named else scheduler_for(scheduler, drafter, block_size)
     if sps is None:
         sps = step_rates(loaded, chosen, block_size, max_concurrency)
-    backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=max_concurrency)
-    engine = Engine(backend, drafter, block_size=block_size, scheduler=chosen, sps=sps, max_concurrency=max_concurrency,
-                    prefill_chunk=prefill_chunk, max_context=max_context)
     if chosen == "dspark-async" and block_size > 0 and isinstance(sps, RoundCost) and not sps.draft_seconds:
         # it decides who drafts before drafting, so it weighs the drafter's (profiled) cost too
-        engine.cost = RoundCost(sps.verify, draft_cost(loaded, engine, max_concurrency, block_size))
-    return engine
+        sps = RoundCost(sps.verify, draft_cost(loaded, drafter, max_concurrency, block_size))
+    backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=max_concurrency)
+    return Engine(backend, drafter, block_size=block_size, scheduler=chosen, sps=sps, max_concurrency=max_concurrency,
+                  prefill_chunk=prefill_chunk, max_context=max_context)

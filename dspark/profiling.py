@@ -130,15 +130,14 @@ def draft_path(loaded: LoadedTarget, drafter: Drafter, block_size: int, context_
     return cache_dir() / "profiles" / f"{_safe(tag)}.json"
 
 
-def measure_draft(loaded: LoadedTarget, engine: Engine, max_requests: int, block_size: int,
+def measure_draft(loaded: LoadedTarget, drafter: Drafter, max_requests: int, block_size: int,
                   context_tokens: int = 256, repeats: int = 5) -> dict[int, float]:
     """Seconds one batched proposal of `block_size` drafts takes for n requests, n in `request_counts`,
-    on random prompts of `context_tokens` run through the engine's own backend and drafter (an aside
-    engine: the slots are freed after)."""
+    on random prompts of `context_tokens` run through an engine of its own (freed after)."""
     vocab = min(int(loaded.model.get_output_embeddings().weight.shape[0]), 1000)
     generator = torch.Generator().manual_seed(0)
-    aside = Engine(engine.backend, engine.drafter, block_size=block_size, scheduler="none",
-                   max_concurrency=max_requests)
+    backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=max_requests)
+    aside = Engine(backend, drafter, block_size=block_size, scheduler="none", max_concurrency=max_requests)
     requests = [aside.add(Request(torch.randint(0, vocab, (context_tokens,), generator=generator), 1 << 20))
                 for _ in range(max_requests)]
     while not all(r.prefilled or r.finished for r in requests):
@@ -151,9 +150,9 @@ def measure_draft(loaded: LoadedTarget, engine: Engine, max_requests: int, block
         chosen = requests[:n]
 
         def propose(chosen: list[Request] = chosen) -> None:
-            engine.drafter.propose_batch([r.drafter_state for r in chosen], [r.context for r in chosen],
-                                         [block_size] * len(chosen), [r.sampling for r in chosen],
-                                         [r.generator for r in chosen])
+            drafter.propose_batch([r.drafter_state for r in chosen], [r.context for r in chosen],
+                                  [block_size] * len(chosen), [r.sampling for r in chosen],
+                                  [r.generator for r in chosen])
 
         propose()
         timings = []
@@ -167,10 +166,10 @@ def measure_draft(loaded: LoadedTarget, engine: Engine, max_requests: int, block
     return seconds
 
 
-def draft_cost(loaded: LoadedTarget, engine: Engine, max_requests: int, block_size: int,
+def draft_cost(loaded: LoadedTarget, drafter: Drafter, max_requests: int, block_size: int,
                context_tokens: int = 256) -> dict[int, float]:
     """The drafter's cached seconds per proposal by number of requests, else measured (and saved)."""
-    path = draft_path(loaded, engine.drafter, block_size, context_tokens)
+    path = draft_path(loaded, drafter, block_size, context_tokens)
     remembered = _DRAFTS.get(path)
     if remembered is not None and max(remembered) >= max_requests:
         return remembered
@@ -183,7 +182,7 @@ def draft_cost(loaded: LoadedTarget, engine: Engine, max_requests: int, block_si
         except (ValueError, KeyError, TypeError, AttributeError, json.JSONDecodeError):
             pass
     log(f"profiling the drafter's cost for 1..{max_requests} requests (once; cached in {path})")
-    seconds = measure_draft(loaded, engine, max_requests, block_size, context_tokens)
+    seconds = measure_draft(loaded, drafter, max_requests, block_size, context_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"draft_seconds": {str(n): s for n, s in seconds.items()}}))
     _DRAFTS[path] = seconds

@@ -413,9 +413,11 @@ class _AttentionPlan:
         self.starts, self.sizes = starts, sizes
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.device = device
-        # (N,) cache coordinates of every new row, for the one indexed cache write per layer
-        self.slot_index = torch.repeat_interleave(torch.tensor(self.slots), torch.tensor(sizes)).to(device)
-        self.position_index = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, sizes, strict=True)]).to(device)
+        # (N,) cache coordinates of every new row, for the one indexed cache write per layer (one request: a slice)
+        if len(segments) > 1:
+            self.slot_index = torch.repeat_interleave(torch.tensor(self.slots), torch.tensor(sizes)).to(device)
+            self.position_index = torch.cat([torch.arange(a, a + n)
+                                             for a, n in zip(starts, sizes, strict=True)]).to(device)
         self._masks: dict[tuple[int, int], torch.Tensor | None] = {}
         self._padded: tuple | None = None
 

@@ -162,34 +162,26 @@ class RoundCost:
         """SPS(B) for rounds of `num_requests` requests."""
         curve = self._curves.get(num_requests)
         if curve is None:
-            counts = sorted(self.verify)
-            upper = next((r for r in counts if r >= num_requests), counts[-1])
-            lower = max((r for r in counts if r <= num_requests), default=upper)
-            if lower == upper:
-                curve = self.verify[upper]
+            lower, upper, w = _bracket(sorted(self.verify), num_requests)
+            if lower is None or upper is None or w == 0.0:  # a measured count, or clamped to the nearest end
+                curve = self.verify[lower if upper is None else upper]
             else:
-                w = (num_requests - lower) / (upper - lower)
                 low, high = self.verify[lower], self.verify[upper]
                 curve = lambda b: 1.0 / ((1 - w) / low(b) + w / high(b))  # noqa: E731 (step times interpolate)
             self._curves[num_requests] = curve
         return curve
 
     def draft(self, num_requests: int) -> float:
-        """Seconds to draft for `num_requests` requests (linear between measured counts, 0 for none)."""
+        """Seconds to draft for `num_requests` requests (linear between measured counts, proportional beyond
+        them, 0 for none)."""
         if num_requests <= 0 or not self.draft_seconds:
             return 0.0
-        points = {int(n): float(s) for n, s in self.draft_seconds.items()}
-        counts = sorted(points)
-        upper = next((n for n in counts if n >= num_requests), None)
-        lower = max((n for n in counts if n <= num_requests), default=None)
-        if upper is None:  # beyond the largest count: extrapolate per request
-            return points[counts[-1]] * num_requests / counts[-1]
-        if lower is None:
-            return points[upper] * num_requests / upper
-        if lower == upper:
-            return points[upper]
-        w = (num_requests - lower) / (upper - lower)
-        return (1 - w) * points[lower] + w * points[upper]
+        seconds = self.draft_seconds
+        lower, upper, w = _bracket(sorted(seconds), num_requests)
+        if upper is None or lower is None:  # past an end: per request, from the nearest measured count
+            nearest = lower if upper is None else upper
+            return seconds[nearest] * num_requests / nearest
+        return (1 - w) * seconds[lower] + w * seconds[upper]
 
     def to_json(self) -> str:
         """The measured tables (plain callables are not serialisable: only `SPSTable`s)."""
@@ -201,6 +193,16 @@ class RoundCost:
         data = json.loads(text)
         return cls({int(r): SPSTable(tuple(float(v) for v in values)) for r, values in data["sps_by_requests"].items()},
                    {int(n): float(s) for n, s in data.get("draft_seconds", {}).items()})
+
+
+def _bracket(counts: list[int], n: int) -> tuple[int | None, int | None, float]:
+    """(lower, upper, w): the measured counts around n in sorted `counts` (None past an end) and n's weight
+    towards `upper`."""
+    upper = next((c for c in counts if c >= n), None)
+    lower = max((c for c in counts if c <= n), default=None)
+    if lower is None or upper is None or lower == upper:
+        return lower, upper, 0.0
+    return lower, upper, (n - lower) / (upper - lower)
 
 
 def _interpolate(points: Mapping[int, float]) -> list[float]:
@@ -379,14 +381,12 @@ PROBE_EVERY = 8
 class SchedulerState:
     """What a stateful scheduler remembers between rounds, for `dspark-async`: per request key, (round,
     survival) of the last two rounds it drafted in, oldest first; the round number; this round's capacity K
-    (None: schedule synchronously) and the keys that draft, both fixed by `begin_round` before anything is
-    drafted; `keys`, the request of each survival row the scheduler is called with (the engine sets it;
-    default: the row's index)."""
+    (None: schedule synchronously), fixed by `begin_round` before anything is drafted; `keys`, the request
+    of each survival row the scheduler is called with (the engine sets it; default: the row's index)."""
 
     history: dict = field(default_factory=dict)
     round: int = 0
     capacity: int | None = None
-    drafting: set | None = None
     keys: list | None = None
     begun: bool = False
 
@@ -400,7 +400,7 @@ def _none(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> l
 
 
 def _plan_round(cost: "StepCurve | RoundCost", state: SchedulerState, keys: Sequence | None = None) -> set:
-    """Start the next round of the requests `keys` (default: the rows of the last call, or one): fixes the
+    """Start the next round of the requests `keys` (default: those of the last call, or one): fixes the
     async capacity K and returns the keys that draft (empty: none need to, since none would be verified).
 
     Both come from each request's newest survival at least two rounds old (it cannot depend on this round's
@@ -408,9 +408,7 @@ def _plan_round(cost: "StepCurve | RoundCost", state: SchedulerState, keys: Sequ
     newest is over PROBE_EVERY rounds old, drafts to probe, and then dspark-async schedules the round by
     synchronous Algorithm 1 (also lossless), as every round is until two have been seen."""
     state.round += 1
-    if keys is None:
-        keys = list(range(len(state.keys))) if state.keys is not None else [0]
-    keys = list(keys)
+    keys = list(keys if keys is not None else state.keys if state.keys is not None else [0])
     for gone in [key for key in state.history if key not in keys]:
         del state.history[gone]
     old, probing = {}, set()
@@ -423,30 +421,9 @@ def _plan_round(cost: "StepCurve | RoundCost", state: SchedulerState, keys: Sequ
             old[key] = usable[-1]
     planned = [key for key in keys if key in old]
     capacity, rows = async_plan([old[key] for key in planned], cost, len(keys)) if planned else (0, set())
-    state.drafting = probing | {planned[i] for i in rows}
     state.capacity = None if probing else capacity
     state.begun = True
-    return state.drafting
-
-
-def _run_round(survival: Survival, sps: StepCurve, state: SchedulerState | None,
-               lengths_of: Callable[[list[list[float]], SchedulerState | None], list[int]]) -> list[int]:
-    """One round of a planning scheduler: plan it if the caller did not (`begin_round`), schedule the rows,
-    remember each drafting request's survival under its key."""
-    rows = _rows(survival)
-    if state is None:
-        return lengths_of(rows, None)
-    keys = list(state.keys) if state.keys is not None else list(range(len(rows)))
-    if len(keys) != len(rows):
-        raise DsparkError(f"{len(keys)} request keys for {len(rows)} survival rows")
-    if not state.begun:
-        _plan_round(sps, state, keys)
-    state.begun = False
-    lengths = lengths_of(rows, state)
-    for key, row in zip(keys, rows, strict=True):
-        if row:  # a request that did not draft keeps its older survival
-            state.history.setdefault(key, deque(maxlen=2)).append((state.round, row))
-    return lengths
+    return probing | {planned[i] for i in rows}
 
 
 def _dspark(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> list[int]:
@@ -459,13 +436,22 @@ def _dspark(survival: Survival, sps: StepCurve, state: SchedulerState | None) ->
 def _dspark_async(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> list[int]:
     """Top-K with K from two rounds ago; until two rounds have been seen, or while a request probes (or
     without a state), synchronous Algorithm 1, which is lossless too. The engine calls `begin_round` first
-    (and drafts only for the keys it returns); a caller that does not gets one round per call."""
-    def lengths_of(rows: list[list[float]], state: SchedulerState | None) -> list[int]:
-        if state is None or state.capacity is None:
-            return dspark_lengths(rows, sps)
-        return topk_lengths(rows, state.capacity)
-
-    return _run_round(survival, sps, state, lengths_of)
+    (and drafts only for the keys it returns); a caller that does not gets one round per call. Each drafting
+    request's survival is remembered under its key."""
+    rows = _rows(survival)
+    if state is None:
+        return dspark_lengths(rows, sps)
+    keys = list(state.keys) if state.keys is not None else list(range(len(rows)))
+    if len(keys) != len(rows):
+        raise DsparkError(f"{len(keys)} request keys for {len(rows)} survival rows")
+    if not state.begun:
+        _plan_round(sps, state, keys)
+    state.begun = False
+    lengths = dspark_lengths(rows, sps) if state.capacity is None else topk_lengths(rows, state.capacity)
+    for key, row in zip(keys, rows, strict=True):
+        if row:  # a request that did not draft keeps its older survival
+            state.history.setdefault(key, deque(maxlen=2)).append((state.round, row))
+    return lengths
 
 
 _dspark_async.begin_round = _plan_round

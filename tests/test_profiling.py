@@ -55,7 +55,7 @@ def test_a_corrupt_profile_is_measured_again(tmp_path, monkeypatch):
 
 def test_dspark_async_engines_price_drafting_once(tmp_path, monkeypatch):
     """build_engine gives dspark-async the drafter's measured seconds per proposal, growing with the number of
-    requests; the measurement is cached per drafter configuration and its aside requests free their slots."""
+    requests; the measurement is cached per drafter configuration and runs on an engine of its own."""
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     monkeypatch.setattr(profiling, "_COSTS", {})
     monkeypatch.setattr(profiling, "_DRAFTS", {})
@@ -66,7 +66,7 @@ def test_dspark_async_engines_price_drafting_once(tmp_path, monkeypatch):
     seconds = engine.cost.draft_seconds
     assert sorted(seconds) == [1, 2, 4] and all(s > 0 for s in seconds.values())
     assert engine.cost.draft(3) == pytest.approx((seconds[2] + seconds[4]) / 2)
-    assert all(engine.backend.allocate() is not None for _ in range(4))  # every slot free again
+    assert all(engine.backend.allocate() is not None for _ in range(4))  # the engine's own slots untouched
     assert profiling.draft_path(loaded, drafter, 3, 256).is_file()
 
     def no_measuring(*args, **kwargs):
