@@ -27,7 +27,7 @@ _DRAFTS: dict[Path, dict[int, float]] = {}
 def _target_tag(loaded: LoadedTarget) -> str:
     model = loaded.model
     dtype = target_dtype_name(model)  # int4 apart
-    if dtype == "bfloat16" and supports_ragged(model) and auto_packed(model):
+    if dtype in ("bfloat16", "float32") and supports_ragged(model) and auto_packed(model):
         dtype += "-packed"  # the forward with oneDNN-packed weights has another cost curve than the plain one
     return f"{loaded.name}-{model.device.type}-{dtype}-t{torch.get_num_threads()}"
 

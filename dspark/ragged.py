@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from dspark.errors import DsparkError
-from dspark.packed import PackedLinear, affordable, pack_linear, packing_supported
+from dspark.packed import PackedLinear, affordable, pack_linear, packed_by_default
 from dspark.quantize import Int4Linear
 from dspark.target import TargetOutput
 
@@ -308,11 +308,12 @@ def fuse_layer(layer: torch.nn.Module, num_heads: int, num_kv_heads: int, head_d
 
 
 def auto_packed(model: PreTrainedModel) -> bool:
-    """Whether `RaggedBackend` packs this model's weights by default (`dspark.packed`): bf16 where oneDNN has
-    native bf16 kernels and the reordered copy fits comfortably in memory. The SPS profile is keyed by it."""
+    """Whether `RaggedBackend` packs this model's weights by default (`dspark.packed.packed_by_default`) and the
+    reordered copy fits comfortably in memory. The SPS profile is keyed by it."""
     dtype = model.model.embed_tokens.weight.dtype
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
-    return packing_supported(dtype, model.device) and affordable(dense_bytes)
+    smallest = model.model.layers[0].self_attn.o_proj.weight.numel() if len(model.model.layers) else None
+    return packed_by_default(dtype, model.device, smallest) and affordable(dense_bytes)
 
 
 def _packed_layer(fused: _FusedLayer, layer: torch.nn.Module, model: PreTrainedModel) -> _FusedLayer:

@@ -97,18 +97,20 @@ def acceptance_section(loaded, drafters: dict, prompts, args) -> dict:
 def calibration_section(loaded, drafter, rounds: list[RoundRecord], gamma: int, plot_path: Path,
                         sampling_temperature: float = 0.0) -> dict | None:
     """Reliability of a_k on evaluation rounds sampled at `sampling_temperature`, raw (T = 1) vs the
-    checkpoint's temperatures for that sampling temperature."""
+    checkpoint's calibration (temperatures and biases) for that sampling temperature."""
     from dspark.calibration import calibration_arrays, pooled_report, position_reports
     from dspark.train.calibrate import plot_calibration
 
     config = getattr(drafter, "config", None)
-    temperatures = config.temperatures_for(sampling_temperature) if hasattr(config, "temperatures_for") else None
+    temperatures, biases = (config.calibration_for(sampling_temperature) if hasattr(config, "calibration_for")
+                            else (None, None))
     if temperatures is None or not any(r.raw_logits for r in rounds):
         return None
     logits, outcomes = calibration_arrays(rounds, gamma)
-    plot_calibration(str(plot_path), logits, outcomes, temperatures, 10)
-    return {"temperatures": temperatures, "pooled": pooled_report(logits, outcomes, temperatures),
-            "positions": [p.to_dict() for p in position_reports(logits, outcomes, temperatures)]}
+    plot_calibration(str(plot_path), logits, outcomes, temperatures, 10, biases)
+    return {"temperatures": temperatures, "biases": biases,
+            "pooled": pooled_report(logits, outcomes, temperatures, biases=biases),
+            "positions": [p.to_dict() for p in position_reports(logits, outcomes, temperatures, biases=biases)]}
 
 
 # ------------------------------------------------------------------------------- markdown
@@ -189,8 +191,10 @@ def render(data: dict) -> str:
     if data.get("calibration"):
         cal = data["calibration"]
         pooled = cal["pooled"]
+        method = ("Sequential temperature scaling" if not cal.get("biases") else
+                  f"Sequential Platt scaling, biases {[round(b, 3) for b in cal['biases']]} and")
         out += ["", "## Calibration (paper Fig. 6)", "",
-                f"Sequential temperature scaling, temperatures {[round(t, 3) for t in cal['temperatures']]} "
+                f"{method} temperatures {[round(t, 3) for t in cal['temperatures']]} "
                 "(fitted by `dspark calibrate` on held-out training-side prompts), evaluated here on the "
                 f"evaluation rounds: pooled ECE {pooled['ece_before']} → {pooled['ece_after']}, "
                 f"AUC {pooled['auc_before']} → {pooled['auc_after']}.", "",

@@ -59,7 +59,13 @@ def test_bench_forward_reports_the_cost_of_k_tokens_relative_to_one(tiny_on_disk
         assert abs(row["ours_ratio_to_1"] - row["ours_ms"] / one["ours_ms"]) < 0.01 * row["ours_ratio_to_1"]
     assert report["verify8_over_1"] == report["rows"][2]["ours_ratio_to_1"]
     assert report["dtype"] == "float32" and report["context_tokens"] == 12
-    assert not report["packed_weights"] and "ours_over_dense" not in one  # float32: nothing to pack
+    from dspark.loading import load_target
+    from dspark.ragged import auto_packed
+
+    # float32 is packed by default only where bf16 is not native and the matrices are large (the tiny model's are
+    # not); when packed, it is timed against the plain weights too
+    assert report["packed_weights"] == auto_packed(load_target(str(tiny_on_disk / "target")).model)
+    assert ("ours_over_dense" in one) == report["packed_weights"]
 
 
 def test_bench_forward_compares_packed_and_plain_bf16_weights(tiny_on_disk, capsys):
@@ -75,3 +81,14 @@ def test_bench_forward_compares_packed_and_plain_bf16_weights(tiny_on_disk, caps
                 row["ours_ms"] / row["ours_dense_ms"], rel=0.01)
         else:
             assert "ours_over_dense" not in row
+
+
+def test_bench_forward_packs_float32_on_request(tiny_on_disk, capsys):
+    from dspark.packed import packing_supported
+
+    report = run_cli(capsys, "bench", "forward", "--target", tiny_on_disk / "target", "--tokens", 8,
+                     "--rows", 1, "--context-tokens", 12, "--repeats", 1, "--packed-weights", "on")
+    assert report["dtype"] == "float32"
+    assert report["packed_weights"] == packing_supported(torch.float32, torch.device("cpu"))
+    if report["packed_weights"]:
+        assert all(row["ours_over_dense"] > 0 for row in report["rows"])

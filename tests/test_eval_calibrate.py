@@ -12,10 +12,12 @@ from conftest import TINY_GAMMA
 
 from dspark.calibration import (
     calibration_arrays,
+    fit_sequential_platt,
     fit_sequential_temperatures,
     position_reports,
+    prefix_survival,
     sigmoid,
-    store_temperatures,
+    store_calibration,
 )
 from dspark.cli import main
 from dspark.drafters.base import Draft
@@ -202,6 +204,51 @@ def test_sts_leaves_calibrated_head_and_unseen_positions_alone():
         assert guarded[k] == expected
 
 
+def shifted_rounds(num_rounds: int = 6000, gamma: int = 4, seed: int = 1) -> list[RoundRecord]:
+    """A head that is overconfident *and* off on average: drafts survive with σ(0.5·z - 1) given their
+    prefix survived (temperature 2, bias -1), as a head trained on easier data than it serves."""
+    rng = np.random.default_rng(seed)
+    rounds = []
+    for _ in range(num_rounds):
+        z = rng.normal(2.0, 2.0, gamma)
+        survived = rng.random(gamma) < sigmoid(0.5 * z - 1.0)
+        accepted = gamma if survived.all() else int(np.argmin(survived))
+        rounds.append(RoundRecord(gamma, accepted, raw_logits=z.tolist()))
+    return rounds
+
+
+def test_platt_recovers_a_shifted_head_where_sts_cannot():
+    logits, outcomes = calibration_arrays(shifted_rounds(), 4)
+    temperatures, biases = fit_sequential_platt(logits, outcomes)
+    assert temperatures[0] == pytest.approx(2.0, rel=0.15) and biases[0] == pytest.approx(-1.0, abs=0.15)
+    observed = np.nanmean(outcomes, axis=0)  # what expected τ sums, position by position
+    platt = np.nanmean(np.where(np.isnan(outcomes), np.nan, prefix_survival(logits, temperatures, biases)), axis=0)
+    sts = np.nanmean(np.where(np.isnan(outcomes), np.nan,
+                              prefix_survival(logits, fit_sequential_temperatures(logits, outcomes))), axis=0)
+    assert np.abs(platt - observed).max() < 0.01
+    assert np.abs(sts - observed).max() > 0.03  # the negative control: a temperature cannot move the mean
+    platt_reports = position_reports(logits, outcomes, temperatures, biases=biases)
+    for report, expected in zip(platt_reports, observed, strict=True):
+        assert report.ece_after < report.ece_before and report.ece_after < 0.03
+        assert report.mean_after == pytest.approx(expected, abs=0.01)
+        assert report.auc_after == pytest.approx(report.auc_before, abs=0.02)
+    for k, t in enumerate(temperatures):  # positive temperatures: each position's ranking is kept
+        assert t > 0
+        calibrated = sigmoid(logits[:, k] / t + biases[k])
+        assert (np.argsort(calibrated, kind="stable") == np.argsort(logits[:, k], kind="stable")).all()
+
+
+def test_platt_guards_thin_positions():
+    logits, outcomes = calibration_arrays(shifted_rounds(num_rounds=400), 4)
+    unseen = np.where(np.arange(4) < 3, outcomes, np.nan)
+    temperatures, biases = fit_sequential_platt(logits, unseen)
+    assert (temperatures[3], biases[3]) == (1.0, 0.0)  # no round verified position 4
+    assert fit_sequential_platt(logits[:20], outcomes[:20], min_rounds=50) == ([1.0] * 4, [0.0] * 4)
+    positives = np.nansum(outcomes, axis=0)
+    guarded = fit_sequential_platt(logits, outcomes, min_positives=int(positives.min()) + 1)
+    assert (guarded[0][-1], guarded[1][-1]) == (1.0, 0.0) and guarded[1][0] != 0.0
+
+
 # ----------------------------------------------------------------------- tiny models on disk
 
 GAMMA = TINY_GAMMA
@@ -227,7 +274,7 @@ def test_temperatures_round_trip_and_change_confidence(tiny_dirs, tmp_path):
     assert torch.allclose(raw.confidence(z), torch.sigmoid(z))
 
     temperatures = [2.0, 1.0, 0.5, 4.0]
-    store_temperatures(path, temperatures)
+    store_calibration(path, temperatures)
     assert read_config(path).calibration_temperatures == temperatures
     calibrated = load_dspark(path, target).model
     assert torch.allclose(calibrated.confidence(z), torch.sigmoid(z / torch.tensor(temperatures)))
@@ -235,9 +282,9 @@ def test_temperatures_round_trip_and_change_confidence(tiny_dirs, tmp_path):
 
     before = (path / "config.json").read_text()
     with pytest.raises(DrafterLoadError, match="calibration temperatures"):
-        store_temperatures(path, [1.0, 2.0])  # wrong length: refused, config untouched
+        store_calibration(path, [1.0, 2.0])  # wrong length: refused, config untouched
     assert (path / "config.json").read_text() == before
-    store_temperatures(path, None)
+    store_calibration(path, None)
     assert read_config(path).calibration_temperatures is None
 
 
@@ -248,8 +295,8 @@ def test_temperatures_per_sampling_temperature(tiny_dirs, tmp_path):
     target = load_target(str(tiny_dirs / "target")).model
     greedy_set, sampled_set = [2.0, 1.0, 0.5, 4.0], [0.5, 3.0, 1.5, 0.8]
     (path / "config.json").chmod(0o644)
-    store_temperatures(path, sampled_set, 1.0)
-    store_temperatures(path, greedy_set, 0.0)
+    store_calibration(path, sampled_set, 1.0)
+    store_calibration(path, greedy_set, 0.0)
     assert (path / "config.json").stat().st_mode & 0o777 == 0o644  # readable by others, as before
     config = read_config(path)
     assert config.calibration_by_sampling == {0.0: greedy_set, 1.0: sampled_set}
@@ -265,18 +312,61 @@ def test_temperatures_per_sampling_temperature(tiny_dirs, tmp_path):
     assert torch.allclose(model.confidence(z), torch.sigmoid(z / torch.tensor(greedy_set)))
 
     refit = [1.0, 1.0, 2.0, 2.0]
-    store_temperatures(path, refit, 1.0)
+    store_calibration(path, refit, 1.0)
     assert read_config(path).calibration_by_sampling == {0.0: greedy_set, 1.0: refit}
-    store_temperatures(path, None)
+    store_calibration(path, None)
     config = read_config(path)
     assert config.calibration_temperatures is None and config.calibration_by_sampling is None
+
+
+def test_biases_round_trip_per_sampling_temperature(tiny_dirs, tmp_path):
+    """Platt biases are stored next to the temperatures they were fitted with; a request takes both
+    from the set fitted nearest its temperature; a temperature-only refit drops that set's biases and
+    a temperature-only checkpoint carries no bias key (what other loaders see stays as it was)."""
+    path = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
+    target = load_target(str(tiny_dirs / "target")).model
+    greedy, greedy_b = [2.0, 1.0, 0.5, 4.0], [-1.0, 0.5, 0.0, 0.25]
+    sampled, sampled_b = [0.5, 3.0, 1.5, 0.8], [0.3, -0.2, -1.5, 0.0]
+    store_calibration(path, sampled, 1.0, sampled_b)
+    store_calibration(path, greedy, 0.0, greedy_b)
+    config = read_config(path)
+    assert config.calibration_biases_by_sampling == {0.0: greedy_b, 1.0: sampled_b}
+    assert config.calibration_biases == greedy_b and config.calibration_for(0.8) == (sampled, sampled_b)
+
+    model = load_dspark(path, target).model
+    z = torch.tensor([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]])
+    c = model.confidence(z, [0.0, 1.0])
+    assert torch.allclose(c[0], torch.sigmoid(z[0] / torch.tensor(greedy) + torch.tensor(greedy_b)))
+    assert torch.allclose(c[1], torch.sigmoid(z[1] / torch.tensor(sampled) + torch.tensor(sampled_b)))
+    assert torch.allclose(model.confidence(z[:1, :2]),
+                          torch.sigmoid(z[:1, :2] / torch.tensor(greedy[:2]) + torch.tensor(greedy_b[:2])))
+
+    store_calibration(path, sampled, 1.0)  # refit by STS: that set has no biases any more
+    config = read_config(path)
+    assert config.calibration_biases_by_sampling == {0.0: greedy_b} and config.calibration_for(1.0) == (sampled, None)
+    assert torch.allclose(load_dspark(path, target).model.confidence(z, [1.0])[0],
+                          torch.sigmoid(z[0] / torch.tensor(sampled)))
+    store_calibration(path, greedy, 0.0)
+    assert "calibration_biases" not in json.loads((path / "config.json").read_text())["dspark"]
+    assert "calibration_biases_by_sampling" not in json.loads((path / "config.json").read_text())["dspark"]
+
+    before = (path / "config.json").read_text()
+    for bad in ([1.0, 2.0], [0.0, float("nan"), 0.0, 0.0]):
+        with pytest.raises(DrafterLoadError, match="finite calibration biases"):
+            store_calibration(path, greedy, 0.0, bad)
+        assert (path / "config.json").read_text() == before
+    data = json.loads(before)
+    data["dspark"]["calibration_biases_by_sampling"] = {"2": [0.0] * GAMMA}  # no temperatures at T = 2
+    (path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(DrafterLoadError, match="have no temperatures"):
+        read_config(path)
 
 
 def test_bad_per_sampling_temperatures_are_refused(tiny_dirs, tmp_path):
     path = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
     before = (path / "config.json").read_text()
     with pytest.raises(DrafterLoadError, match="need 4 positive calibration temperatures"):
-        store_temperatures(path, [1.0, 2.0], 1.0)  # wrong length: refused, config untouched
+        store_calibration(path, [1.0, 2.0], 1.0)  # wrong length: refused, config untouched
     assert (path / "config.json").read_text() == before
     data = json.loads(before)
     for bad in ({"x": [1.0] * GAMMA}, {"-1": [1.0] * GAMMA}, [[1.0] * GAMMA], {"0": [1.0, 0.0, 1.0, 1.0]}):
@@ -292,8 +382,8 @@ def test_rollout_records_match_stats_and_raw_logits(tiny_dirs, tmp_path):
 
     path = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
     temperatures = [2.0, 0.5, 1.0, 3.0]
-    store_temperatures(path, [1.0, 1.0, 1.0, 1.0], 0.0)  # greedy requests only: not these sampled rounds
-    store_temperatures(path, temperatures, 1.0)
+    store_calibration(path, [1.0, 1.0, 1.0, 1.0], 0.0)  # greedy requests only: not these sampled rounds
+    store_calibration(path, temperatures, 1.0)
     loaded = load_target(str(tiny_dirs / "target"))
     drafter = load_drafter(str(path), loaded.model, draft_dtype=torch.float32)
     rollout = rollout_prompt(loaded, drafter, prompt_ids(loaded, "w1 w2 w3"), max_new_tokens=14,
@@ -355,7 +445,7 @@ def test_calibrate_end_to_end(tiny_dirs, tmp_path, capsys):
     path = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
     args = ["calibrate", "--target", tiny_dirs / "target", "--drafter", path, "--dataset",
             tiny_dirs / "mbpp.jsonl", "--num-prompts", 2, "--max-new-tokens", 16, "--temperature", 1,
-            "--min-rounds", 1, "--json"]
+            "--min-rounds", 1, "--min-positives", 0, "--json"]
     dry = run_cli(capsys, *args, "--dry-run")
     assert read_config(path).calibration_temperatures is None and dry["stored"] is False and dry["dtype"] == "float32"
     result = run_cli(capsys, *args, "--plot", tmp_path / "reliability.png")
@@ -363,9 +453,16 @@ def test_calibrate_end_to_end(tiny_dirs, tmp_path, capsys):
     assert len(result["temperatures"]) == GAMMA and len(result["positions"]) == GAMMA
     assert read_config(path).calibration_temperatures == pytest.approx(result["temperatures"], rel=1e-4)
     assert read_config(path).calibration_by_sampling[1.0] == pytest.approx(result["temperatures"], rel=1e-4)
+    assert result["method"] == "platt" and len(result["biases"]) == GAMMA
+    assert read_config(path).calibration_biases_by_sampling[1.0] == pytest.approx(result["biases"], abs=1e-4)
     first = result["positions"][0]
-    assert first["count"] == result["num_rounds"] > 0 and first["ece_after"] <= first["ece_before"] + 1e-9
+    assert first["count"] == result["num_rounds"] > 0
+    assert first["mean_after"] == pytest.approx(first["mean_observed"], abs=0.05)  # a likelihood fit matches the mean
     assert (tmp_path / "reliability.png").read_bytes()[:4] == b"\x89PNG"
+    sts = run_cli(capsys, *args, "--method", "sts")
+    assert sts["method"] == "sts" and sts["biases"] is None
+    assert sts["positions"][0]["ece_after"] <= sts["positions"][0]["ece_before"] + 1e-9
+    assert read_config(path).calibration_for(1.0) == (pytest.approx(sts["temperatures"], rel=1e-4), None)
 
 
 @pytest.fixture
@@ -456,13 +553,14 @@ def test_replayed_sweeps_by_hand():
 
 def test_report_end_to_end(tiny_dirs, tmp_path, capsys):
     calibrated = copy_drafter(tiny_dirs / "drafter", tmp_path / "drafter")
-    store_temperatures(calibrated, [1.5, 1.0, 0.8, 2.0])
+    store_calibration(calibrated, [1.5, 1.0, 0.8, 2.0], biases=[0.25, -0.5, 0.0, 0.125])  # Platt: the biases too
     out = tmp_path / "docs" / "RESULTS.md"
     summary = run_cli(capsys, "report", "--target", tiny_dirs / "target", "--drafter", f"dspark={calibrated}",
                       "--drafter", "ngram=ngram", "--dataset", tiny_dirs / "gsm8k.jsonl", "--dataset",
                       tiny_dirs / "mbpp.jsonl", "--num-prompts", 2, "--max-new-tokens", 10, "--speed-prompts", 1,
                       "--depth", 1, "--block-sizes", "2,5", "--out", out)
     text = out.read_text()
+    assert "Sequential Platt scaling, biases [0.25, -0.5, 0.0, 0.125]" in text
     for heading in ("Acceptance length", "Verify length", "Confidence threshold", "Calibration", "Batch-1 speed",
                     "Depth", "Expected τ predicted by the confidences"):
         assert heading in text

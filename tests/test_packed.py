@@ -1,5 +1,6 @@
-"""bf16 weights reordered once for oneDNN (`dspark.packed`): the same numbers as F.linear, used by the ragged
-forward where the CPU supports them, never stale, and a clean fallback where packing is unavailable."""
+"""Weights reordered once for oneDNN (`dspark.packed`): bf16 gives the same numbers as F.linear and is used by
+the ragged forward where the CPU supports it; float32 is close and row-independent, packed by default where bf16
+is not native; never stale, and a clean fallback where packing is unavailable."""
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ def test_packed_linear_is_f_linear_bit_for_bit(with_bias):
 
 
 def test_pack_linear_declines_what_it_cannot_pack(monkeypatch):
-    assert pack_linear(torch.randn(8, 4)) is None  # float32: F.linear stays
+    assert pack_linear(torch.randn(8, 4, dtype=torch.float16)) is None  # float16: F.linear stays
     assert pack_linear(torch.randn(8, 4, dtype=torch.bfloat16)[None]) is None  # not a matrix
 
     def refuse(*args, **kwargs):
@@ -65,9 +66,48 @@ def test_ragged_forward_packs_by_default_and_computes_the_same(arch):
     assert RaggedBackend(model, max_slots=1).layers[0].qkv is packed.layers[0].qkv  # one copy per model
 
 
-def test_float32_models_are_not_packed():
-    backend = RaggedBackend(tiny_model("llama"), max_slots=1)
-    assert not backend.packed_weights and isinstance(backend.layers[0].qkv, torch.Tensor)
+def test_float32_models_are_packed_where_bf16_is_not_native():
+    """Packed float32 is oneDNN's kernel, not F.linear's: close and rows independent, not bit-identical. It is the
+    default only where `auto` runs float32 (no native bf16), where it was measured; elsewhere an opt-in."""
+    model = tiny_model("llama")
+    if not packing_supported(torch.float32, torch.device("cpu")):
+        pytest.skip("no oneDNN in this torch")
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    cpu, big = torch.device("cpu"), packed_module.MIN_FLOAT32_ELEMENTS
+    assert packed_module.packed_by_default(torch.float32, cpu) is not native_bf16
+    assert packed_module.packed_by_default(torch.float32, cpu, big) is not native_bf16
+    assert not packed_module.packed_by_default(torch.float32, cpu, big - 1)  # too small: oneDNN's overhead loses
+    assert not RaggedBackend(model, max_slots=1).packed_weights  # the tiny model's 32-wide layers
+    assert pack_linears(torch.nn.Sequential(torch.nn.Linear(4, 4))) == 0
+    drafter_sized = torch.nn.Sequential(torch.nn.Linear(512, 512))
+    assert (pack_linears(drafter_sized) == 1) is not native_bf16  # drafters follow the same default
+    plain = RaggedBackend(model, max_slots=1, packed_weights=False)
+    packed = RaggedBackend(model, max_slots=1, packed_weights=True)
+    assert packed.packed_weights and isinstance(packed.lm_head, PackedLinear)
+    assert not plain.packed_weights and isinstance(plain.layers[0].qkv, torch.Tensor)
+    tokens = torch.randint(3, VOCAB, (15,), generator=torch.Generator().manual_seed(1))
+    for a, b in zip(forward_logits(packed, tokens), forward_logits(plain, tokens), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_float16_is_never_packed():
+    assert not packed_module.packed_by_default(torch.float16, torch.device("cpu"))
+    assert not RaggedBackend(tiny_model("llama").to(torch.float16), max_slots=1).packed_weights
+
+
+def test_a_packed_float32_row_does_not_depend_on_the_rows_beside_it():
+    """What keeps speculative decoding identical to our own vanilla decoding with packed float32 weights: a
+    verify forward of 8 rows computes each row as the decode step of that row alone would."""
+    if not packing_supported(torch.float32, torch.device("cpu")):
+        pytest.skip("no oneDNN in this torch")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    layer = PackedLinear(weight, bias)
+    x = torch.randn(8, 64)
+    with torch.inference_mode():
+        rows = layer(x)
+        assert all(torch.equal(rows[r:r + 1], layer(x[r:r + 1])) for r in range(8))
+        torch.testing.assert_close(rows, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
 @needs_packing
@@ -120,7 +160,7 @@ def test_pack_linears_keeps_the_state_dict_and_the_numbers():
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     with torch.inference_mode():
         assert torch.equal(model(x), expected)
-    assert pack_linears(torch.nn.Linear(4, 4)) == 0  # float32 stays
+    assert pack_linears(torch.nn.Sequential(torch.nn.Linear(512, 512, dtype=torch.float16))) == 0  # float16 stays
 
 
 @needs_packing

@@ -80,13 +80,15 @@ def test_converted_cache_reloads_fast(default_target):
 
 
 def test_shipped_drafter_is_lossless_and_calibrated(default_target):
-    """The default drafter: a real DSpark checkpoint (fp16, no embeddings) with STS temperatures."""
+    """The default drafter: a real DSpark checkpoint (fp16, no embeddings), calibrated by sequential Platt scaling
+    at T = 0 and T = 1 (temperatures and biases)."""
     from dspark.drafters import SHIPPED_DRAFTER, load_drafter
     from dspark.drafters.dspark_drafter import DSparkDrafter
 
     drafter = load_drafter("default", default_target.model)
     assert isinstance(drafter, DSparkDrafter)
     assert drafter.config.calibration_temperatures and len(drafter.config.calibration_temperatures) == 7
+    assert set(drafter.config.calibration_biases_by_sampling) == {0.0, 1.0}
     assert (SHIPPED_DRAFTER / "model.safetensors").stat().st_size < 40e6
     for prompt in prompts()[:2]:
         ids = prompt_ids(default_target, prompt)

@@ -2,10 +2,12 @@
 # Calibrate a finished training run and evaluate it as it would ship (quiet machine).
 #   training/post_run.sh RUN_DIR OUT_DIR      e.g. training/post_run.sh runs/run4 training/run4
 #   FINAL=dir: the checkpoint to use instead of RUN_DIR/final (e.g. an fp16 export of a step checkpoint).
+#   DTYPE=name: the target dtype (default auto: bf16 where the CPU runs it natively, else float32; runs 1-8
+#   were calibrated and evaluated in bfloat16 on an AMX machine).
 # τ under fixed γ does not depend on the STS temperatures, so the calibrated copy's eval gives both τ and
 # the expected τ with (expected_tau) and without (expected_tau_raw) calibration.
 set -euo pipefail
-RUN=$1; OUT=$2; E=../shared/eval_datasets
+RUN=$1; OUT=$2; E=../shared/eval_datasets; DTYPE=${DTYPE:-auto}
 mkdir -p "$OUT"
 rm -rf "$OUT/drafter"; cp -r "${FINAL:-$RUN/final}" "$OUT/drafter"
 cp "$RUN/train_log.jsonl" "$RUN/train_config.json" "$OUT/"
@@ -15,10 +17,10 @@ SOURCES=(--corpus-source math --corpus-source code-task --corpus-source sharegpt
 for T in 0 1; do
   dspark calibrate --drafter "$OUT/drafter" --corpus corpora/smollm2-135m-instruct.safetensors --num-prompts 40 \
       "${SOURCES[@]}" \
-      --max-new-tokens 128 --dtype bfloat16 --temperature $T --json > "$OUT/calibrate_T$T.json" 2> "$OUT/calibrate_T$T.err"
+      --max-new-tokens 128 --dtype $DTYPE --temperature $T --json > "$OUT/calibrate_T$T.json" 2> "$OUT/calibrate_T$T.err"
 done
 EVAL=(--dataset $E/math500.jsonl --dataset $E/humaneval.jsonl --dataset $E/mbpp.jsonl --dataset $E/mt-bench.jsonl
-      --num-prompts 4 --max-new-tokens 96 --dtype bfloat16 --json)
+      --num-prompts 4 --max-new-tokens 96 --dtype $DTYPE --json)
 for T in 0 1; do
   dspark eval --drafter "$OUT/drafter" "${EVAL[@]}" --temperature $T > "$OUT/eval_T$T.json" 2> "$OUT/eval_T$T.err"
 done

@@ -66,6 +66,11 @@ def config_to_dict(config: DSparkConfig, dtype: torch.dtype | None = None) -> di
     if config.calibration_by_sampling:  # JSON keys are strings: "0", "1", "0.7"
         data["dspark"]["calibration_by_sampling"] = {
             f"{t:g}": temps for t, temps in sorted(config.calibration_by_sampling.items())}
+    if config.calibration_biases is not None:  # Platt biases: absent for temperature-only calibration
+        data["dspark"]["calibration_biases"] = config.calibration_biases
+    if config.calibration_biases_by_sampling:
+        data["dspark"]["calibration_biases_by_sampling"] = {
+            f"{t:g}": biases for t, biases in sorted(config.calibration_biases_by_sampling.items())}
     if config.draft_vocab_size is not None:  # absent for full-vocabulary checkpoints: their config is unchanged
         data["draft_vocab_size"] = config.draft_vocab_size
     if config.last_context_input:  # likewise absent unless used
@@ -97,11 +102,16 @@ def config_from_dict(data: dict, where: str = "config") -> DSparkConfig:
     heads = int(data["num_attention_heads"])
     extras = data.get("dspark") or {}
     by_sampling = extras.get("calibration_by_sampling")
-    if by_sampling is not None and not isinstance(by_sampling, dict):
-        raise DrafterLoadError(f"{where}: dspark.calibration_by_sampling must map sampling temperatures to lists")
+    biases_by_sampling = extras.get("calibration_biases_by_sampling")
+    for name, table in (("calibration_by_sampling", by_sampling),
+                        ("calibration_biases_by_sampling", biases_by_sampling)):
+        if table is not None and not isinstance(table, dict):
+            raise DrafterLoadError(f"{where}: dspark.{name} must map sampling temperatures to lists")
     try:
         if by_sampling is not None:
             by_sampling = {float(t): temps for t, temps in by_sampling.items()}
+        if biases_by_sampling is not None:
+            biases_by_sampling = {float(t): biases for t, biases in biases_by_sampling.items()}
         return DSparkConfig(
             hidden_size=int(data["hidden_size"]),
             intermediate_size=int(data["intermediate_size"]),
@@ -122,6 +132,8 @@ def config_from_dict(data: dict, where: str = "config") -> DSparkConfig:
             confidence_head_with_markov=bool(data.get("confidence_head_with_markov", True)),
             calibration_temperatures=extras.get("calibration_temperatures"),
             calibration_by_sampling=by_sampling,
+            calibration_biases=extras.get("calibration_biases"),
+            calibration_biases_by_sampling=biases_by_sampling,
             num_anchors=int(data.get("num_anchors") or 512),
             draft_vocab_size=data.get("draft_vocab_size"),
             last_context_input=bool(data.get("last_context_input", False)),

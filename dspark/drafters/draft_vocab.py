@@ -15,7 +15,7 @@ from torch import nn
 
 from dspark.drafters.vocab import check_target_ids, ids_from_offsets, offsets_from_ids, t2d_mask, target_to_draft_map
 from dspark.errors import DrafterLoadError
-from dspark.packed import PackedLinear, pack_linear
+from dspark.packed import PackedLinear, pack_linear, packed_by_default
 
 
 def check_draft_vocab_size(draft_vocab_size: int | None, vocab_size: int) -> None:
@@ -115,7 +115,9 @@ class DraftVocabMixin:
                 bias = getattr(lm_head, "bias", None)
                 rows = weight.detach()[ids]
                 row_bias = None if bias is None else bias.detach()[ids]
-                self._sliced_head = (key, self.d2t.clone(), rows, row_bias, pack_linear(rows, row_bias))
+                packed = (pack_linear(rows, row_bias) if packed_by_default(rows.dtype, rows.device, rows.numel())
+                          else None)
+                self._sliced_head = (key, self.d2t.clone(), rows, row_bias, packed)
         return self._sliced_head[2], self._sliced_head[3], self._sliced_head[4]
 
 

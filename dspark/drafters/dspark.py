@@ -282,19 +282,25 @@ class DSparkModel(DraftVocabMixin, nn.Module):
 
     def confidence(self, confidence_logits: torch.Tensor,
                    sampling_temperatures: Sequence[float] | None = None) -> torch.Tensor:
-        """c_k = sigmoid(logit_k / T_k) for logits (..., n), n <= γ block positions. With
-        `sampling_temperatures` (one per row of a (R, n) batch; 0 = greedy) each row takes the STS set
+        """c_k = sigmoid(logit_k / T_k + b_k) for logits (..., n), n <= γ block positions. With
+        `sampling_temperatures` (one per row of a (R, n) batch; 0 = greedy) each row takes the set
         fitted nearest its own sampling temperature; without, the default set."""
         n = confidence_logits.shape[-1]
         if sampling_temperatures is None:
-            sets = [self.config.calibration_temperatures]  # one set for every row
+            sets = [(self.config.calibration_temperatures, self.config.calibration_biases)]  # every row
         else:
-            sets = [self.config.temperatures_for(t) for t in sampling_temperatures]
-        if all(s is None for s in sets):
+            sets = [self.config.calibration_for(t) for t in sampling_temperatures]
+        if all(t is None and b is None for t, b in sets):
             return torch.sigmoid(confidence_logits)
-        temperatures = torch.tensor([[1.0] * n if s is None else s[:n] for s in sets],
-                                    device=confidence_logits.device, dtype=confidence_logits.dtype)
-        return torch.sigmoid(confidence_logits / (temperatures[0] if sampling_temperatures is None else temperatures))
+
+        def table(values: list, fill: float) -> torch.Tensor:
+            rows = torch.tensor([[fill] * n if v is None else v[:n] for v in values],
+                                device=confidence_logits.device, dtype=confidence_logits.dtype)
+            return rows[0] if sampling_temperatures is None else rows
+
+        temperatures = table([t for t, _ in sets], 1.0)
+        biases = table([b for _, b in sets], 0.0)
+        return torch.sigmoid(confidence_logits / temperatures + biases)
 
     def forward_train(
         self,

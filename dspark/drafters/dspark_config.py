@@ -50,6 +50,11 @@ class DSparkConfig(DraftShape):
     #: greedy rounds over-predicts sampled acceptance (docs/training.md, run 3: +9.6% at T = 1). A request
     #: uses the set fitted nearest its own temperature; `calibration_temperatures` is the fallback.
     calibration_by_sampling: dict[float, list[float]] | None = None
+    #: Platt biases next to the temperatures, c_k = σ(z_k / T_k + b_k) (`calibration.fit_sequential_platt`):
+    #: a temperature cannot move a head that is off on average. None = all 0 (temperatures alone, what
+    #: other loaders apply). Keyed like `calibration_by_sampling`; a sampling temperature missing here has 0.
+    calibration_biases: list[float] | None = None
+    calibration_biases_by_sampling: dict[float, list[float]] | None = None
     #: training only: anchors sampled per sequence (kept for DeepSpec config compatibility).
     num_anchors: int = 512
     #: EAGLE-3-style reduced draft vocabulary: the drafter predicts only this many target ids (the
@@ -76,6 +81,11 @@ class DSparkConfig(DraftShape):
         if self.calibration_by_sampling is not None:
             self.calibration_by_sampling = {float(t): [float(x) for x in temps]
                                             for t, temps in self.calibration_by_sampling.items()} or None
+        if self.calibration_biases is not None:
+            self.calibration_biases = [float(b) for b in self.calibration_biases]
+        if self.calibration_biases_by_sampling is not None:
+            self.calibration_biases_by_sampling = {float(t): [float(x) for x in biases]
+                                                   for t, biases in self.calibration_biases_by_sampling.items()} or None
         if self.draft_vocab_size is not None:
             self.draft_vocab_size = int(self.draft_vocab_size)
         self.validate()
@@ -111,14 +121,27 @@ class DSparkConfig(DraftShape):
             if len(temperatures) != self.block_size or min(temperatures) <= 0:
                 raise ValueError(f"need {self.block_size} positive calibration temperatures at sampling temperature "
                                  f"{sampling_temperature:g}, got {temperatures}")
+        for where, biases in [("", self.calibration_biases)] + [
+                (f" at sampling temperature {t:g}", b) for t, b in (self.calibration_biases_by_sampling or {}).items()]:
+            if biases is not None and (len(biases) != self.block_size or not all(map(math.isfinite, biases))):
+                raise ValueError(f"need {self.block_size} finite calibration biases{where}, got {biases}")
+        unmatched = set(self.calibration_biases_by_sampling or {}) - set(self.calibration_by_sampling or {})
+        if unmatched:
+            raise ValueError(f"calibration biases at sampling temperatures {sorted(unmatched)} have no temperatures")
 
     def temperatures_for(self, sampling_temperature: float) -> list[float] | None:
         """The STS temperatures for requests sampled at `sampling_temperature` (0 = greedy): the set
         fitted at the nearest sampling temperature, else `calibration_temperatures` (None = uncalibrated)."""
+        return self.calibration_for(sampling_temperature)[0]
+
+    def calibration_for(self, sampling_temperature: float) -> tuple[list[float] | None, list[float] | None]:
+        """(temperatures, biases) fitted at the sampling temperature nearest `sampling_temperature`, else
+        the fallback pair; None = uncalibrated / no bias."""
         table = self.calibration_by_sampling
         if not table:
-            return self.calibration_temperatures
-        return table[min(table, key=lambda t: (abs(t - sampling_temperature), t))]
+            return self.calibration_temperatures, self.calibration_biases
+        nearest = min(table, key=lambda t: (abs(t - sampling_temperature), t))
+        return table[nearest], (self.calibration_biases_by_sampling or {}).get(nearest)
 
     @property
     def feature_size(self) -> int:

@@ -201,10 +201,12 @@ class LlamaServer:
 
 def exit_message(returncode: int, log_tail: str) -> str:
     """Why the server died at start-up. An illegal instruction means the prebuilt binary needs CPU features
-    this CPU lacks: the wheel's quantised kernels use AVX-VNNI (Intel), which AMD CPUs do not have."""
+    this CPU lacks: the wheel's quantised kernels use AVX-VNNI (Intel), which AMD CPUs do not have, and on an
+    AVX2-only AMD EPYC it died on an f32 GGUF too (session 12)."""
     if returncode in (-signal.SIGILL, 128 + signal.SIGILL):
         return ("llama-server died on an illegal instruction: this prebuilt binary needs CPU features this CPU "
-                "lacks (AVX-VNNI for quantised GGUFs); a 16/32-bit GGUF may run (--peer-gguf bf16)")
+                "lacks (AVX-VNNI for quantised GGUFs; on AVX2-only CPUs even for 16/32-bit ones); a 16/32-bit "
+                "GGUF may run (--peer-gguf bf16 or f32), else use a llama.cpp built for this CPU")
     return f"llama-server exited with status {returncode}: {log_tail}"
 
 

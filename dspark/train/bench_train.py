@@ -155,7 +155,7 @@ def add_bench_train_parser(bench) -> None:
 
 def run_bench_train(args) -> None:
     from dspark.errors import DsparkError
-    from dspark.loading import load_target
+    from dspark.loading import load_target, resolve_dtype
     from dspark.train.config import load_config
     from dspark.train.corpus import load_corpus
 
@@ -165,7 +165,7 @@ def run_bench_train(args) -> None:
         torch.set_num_threads(args.threads)
     config = load_config(args.config, args.overrides)
     corpus = load_corpus(args.corpus)
-    target = load_target(config.target, dtype=getattr(torch, config.target_dtype))
+    target = load_target(config.target, dtype=resolve_dtype(config.target_dtype))
     result = bench_train(config, corpus, target, samples=args.samples, steps=args.steps, profile=args.profile)
     for key in ("online_tokens_per_s", "cached_tokens_per_s", "speedup", "online_topk_tokens_per_s",
                 "cache_break_even_epochs"):

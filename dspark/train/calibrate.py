@@ -1,5 +1,6 @@
-"""`dspark calibrate`: roll out held-out prompts, fit Sequential Temperature Scaling (dspark.calibration)
-to the confidence head's raw logits, plot the reliability and store the temperatures in the checkpoint.
+"""`dspark calibrate`: roll out held-out prompts, fit sequential Platt scaling or Sequential Temperature
+Scaling (dspark.calibration) to the confidence head's raw logits, plot the reliability and store the
+calibration in the checkpoint.
 
 Calibration prompts must not be the evaluation prompts: calibrating on the test set flatters the ECE
 that `dspark eval` later reports.
@@ -14,11 +15,12 @@ import numpy as np
 
 from dspark.calibration import (
     calibration_arrays,
+    fit_sequential_platt,
     fit_sequential_temperatures,
     pooled_report,
     position_reports,
     prefix_survival,
-    store_temperatures,
+    store_calibration,
 )
 from dspark.cli_args import add_dtype_arg
 from dspark.errors import DsparkError
@@ -27,10 +29,11 @@ from dspark.train.heldout import add_prompt_args, corpus_rollouts
 
 def add_calibrate_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "calibrate", help="fit Sequential Temperature Scaling of a DSpark confidence head",
-        description="Roll out held-out prompts with the drafter, fit one temperature per block position "
-                    "(left to right, minimising the ECE of the prefix survival a_k) and store them in the "
-                    "checkpoint's config.json. Use prompts that are NOT your evaluation prompts.",
+        "calibrate", help="calibrate a DSpark confidence head (sequential Platt or temperature scaling)",
+        description="Roll out held-out prompts with the drafter, fit per block position, left to right, a "
+                    "temperature and a bias (--method platt: likelihood of the prefix survival a_k) or a "
+                    "temperature alone (--method sts: the paper's STS, minimising the ECE of a_k), and store "
+                    "them in the checkpoint's config.json. Use prompts that are NOT your evaluation prompts.",
     )
     parser.add_argument("--target", default="default", help="as for `dspark generate`")
     parser.add_argument("--drafter", required=True, help="DSpark checkpoint directory (updated in place)")
@@ -40,6 +43,9 @@ def add_calibrate_parser(subparsers) -> None:
                         help="sampling temperature of the rollouts (0 = greedy). The fit is stored for this "
                              "temperature next to those fitted at others; requests use the set fitted nearest "
                              "their own temperature, so calibrate at each one you serve (e.g. 0 and 1)")
+    parser.add_argument("--method", choices=("platt", "sts"), default="platt",
+                        help="platt: c_k = σ(z_k / T_k + b_k), fitted by likelihood (moves the mean, which a "
+                             "temperature cannot); sts: the paper's temperatures alone, by ECE grid search")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-bins", type=int, default=10, help="equal-width ECE bins")
     parser.add_argument("--min-rounds", type=int, default=50,
@@ -93,13 +99,18 @@ def run_calibrate(args: argparse.Namespace) -> dict:
     logits, outcomes = calibration_arrays(records, gamma)
     if not len(logits):
         raise DsparkError("no round verified any draft: use more prompts or a larger --max-new-tokens")
-    temperatures = fit_sequential_temperatures(logits, outcomes, num_bins=args.num_bins,
-                                               min_rounds=args.min_rounds, min_positives=args.min_positives)
-    positions = position_reports(logits, outcomes, temperatures, args.num_bins)
+    biases = None
+    if args.method == "platt":
+        temperatures, biases = fit_sequential_platt(logits, outcomes, min_rounds=args.min_rounds,
+                                                    min_positives=args.min_positives)
+    else:
+        temperatures = fit_sequential_temperatures(logits, outcomes, num_bins=args.num_bins,
+                                                   min_rounds=args.min_rounds, min_positives=args.min_positives)
+    positions = position_reports(logits, outcomes, temperatures, args.num_bins, biases)
     if args.plot:
-        plot_calibration(args.plot, logits, outcomes, temperatures, args.num_bins)
+        plot_calibration(args.plot, logits, outcomes, temperatures, args.num_bins, biases)
     if not args.dry_run:
-        store_temperatures(args.drafter, temperatures, sampling.temperature)
+        store_calibration(args.drafter, temperatures, sampling.temperature, biases)
     result = {
         "command": "calibrate",
         "drafter": str(args.drafter),
@@ -112,9 +123,11 @@ def run_calibrate(args: argparse.Namespace) -> dict:
         "num_bins": args.num_bins,
         "min_rounds": args.min_rounds,
         "min_positives": args.min_positives,
+        "method": args.method,
         "temperatures": [round(t, 5) for t in temperatures],
+        "biases": None if biases is None else [round(b, 5) for b in biases],
         "positions": [p.to_dict() for p in positions],
-        "pooled": pooled_report(logits, outcomes, temperatures, args.num_bins),
+        "pooled": pooled_report(logits, outcomes, temperatures, args.num_bins, biases),
         "stored": not args.dry_run,
         "plot": args.plot,
     }
@@ -125,17 +138,18 @@ def run_calibrate(args: argparse.Namespace) -> dict:
 
 
 def plot_calibration(path: str, logits: np.ndarray, outcomes: np.ndarray, temperatures: Sequence[float],
-                     num_bins: int) -> None:
+                     num_bins: int, biases: Sequence[float] | None = None) -> None:
     """Reliability diagrams of a_1..a_γ, raw (all T = 1) and calibrated (also for `dspark report`)."""
     from dspark.plots import plot_reliability
 
     before = prefix_survival(logits, [1.0] * logits.shape[1])
-    after = prefix_survival(logits, temperatures)
+    after = prefix_survival(logits, temperatures, biases)
     panels = []
     for k in range(logits.shape[1]):
         rows = ~np.isnan(outcomes[:, k])
         if rows.any():
-            panels.append((f"a_{k + 1} (T={temperatures[k]:.2f}, n={int(rows.sum())})",
+            bias = "" if biases is None else f", b={biases[k]:+.2f}"
+            panels.append((f"a_{k + 1} (T={temperatures[k]:.2f}{bias}, n={int(rows.sum())})",
                            before[rows, k], after[rows, k], outcomes[rows, k]))
     plot_reliability(panels, path, num_bins)
 
@@ -146,10 +160,13 @@ def _print_table(result: dict, out) -> None:
 
     print(f"{result['num_rounds']} rounds from {result['num_prompts']} prompts; "
           f"{'stored in ' + result['drafter'] if result['stored'] else 'dry run: checkpoint unchanged'}", file=out)
-    print(f"{'k':>3}{'T_k':>8}{'n':>7}{'ECE raw':>9}{'ECE cal':>9}{'AUC raw':>9}{'AUC cal':>9}", file=out)
-    for row, t in zip(result["positions"], result["temperatures"], strict=True):
-        print(f"{row['position']:>3}{t:>8.3f}{row['count']:>7}{fmt(row['ece_before']):>9}{fmt(row['ece_after']):>9}"
-              f"{fmt(row['auc_before']):>9}{fmt(row['auc_after']):>9}", file=out)
+    print(f"{'k':>3}{'T_k':>8}{'b_k':>8}{'n':>7}{'ECE raw':>9}{'ECE cal':>9}{'AUC raw':>9}{'AUC cal':>9}"
+          f"{'mean raw':>9}{'mean cal':>9}{'observed':>9}", file=out)
+    biases = result["biases"] or [0.0] * len(result["temperatures"])
+    for row, t, b in zip(result["positions"], result["temperatures"], biases, strict=True):
+        print(f"{row['position']:>3}{t:>8.3f}{b:>8.3f}{row['count']:>7}{fmt(row['ece_before']):>9}"
+              f"{fmt(row['ece_after']):>9}{fmt(row['auc_before']):>9}{fmt(row['auc_after']):>9}"
+              f"{fmt(row['mean_before']):>9}{fmt(row['mean_after']):>9}{fmt(row['mean_observed']):>9}", file=out)
     pooled = result["pooled"]
-    print(f"all{'':>8}{pooled['count']:>7}{fmt(pooled['ece_before']):>9}{fmt(pooled['ece_after']):>9}"
+    print(f"all{'':>16}{pooled['count']:>7}{fmt(pooled['ece_before']):>9}{fmt(pooled['ece_after']):>9}"
           f"{fmt(pooled['auc_before']):>9}{fmt(pooled['auc_after']):>9}", file=out)

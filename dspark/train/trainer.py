@@ -158,10 +158,15 @@ def step_batch(run: Run, examples: list, step: int, first_index: int, seed: int)
 
 def drafter_autocast(config: TrainConfig, device: torch.device):
     """bf16 autocast for the drafter's forward (its LM head over the whole vocabulary dominates a CPU
-    step); the loss itself is computed in fp32."""
-    if config.autocast == "none":
+    step); the loss itself is computed in fp32. `auto`: only where bf16 is native (`resolve_dtype`)."""
+    from dspark.loading import resolve_dtype
+
+    dtype = config.autocast
+    if dtype == "auto":
+        dtype = "bfloat16" if resolve_dtype("auto", device) == torch.bfloat16 else "none"
+    if dtype == "none":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=getattr(torch, config.autocast))
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
 
 
 def batch_loss(run: Run, batch: Batch | CachedBatch, module: nn.Module, global_norm: bool = True,
@@ -272,11 +277,11 @@ def train(config: TrainConfig, resume: str | Path | None = None,
     if d.main:
         output_dir.mkdir(parents=True, exist_ok=True)
 
-    from dspark.loading import load_target
+    from dspark.loading import load_target, resolve_dtype
 
     if not d.main:
         d.barrier()  # rank 0 first: it may convert the default GGUF target once
-    target = load_target(config.target, dtype=getattr(torch, config.target_dtype), device=str(d.device))
+    target = load_target(config.target, dtype=resolve_dtype(config.target_dtype, d.device), device=str(d.device))
     if d.main:
         d.barrier()
 
