@@ -312,7 +312,8 @@ def auto_packed(model: PreTrainedModel) -> bool:
     reordered copy fits comfortably in memory. The SPS profile is keyed by it."""
     dtype = model.model.embed_tokens.weight.dtype
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
-    smallest = model.model.layers[0].self_attn.o_proj.weight.numel() if len(model.model.layers) else None
+    weight = getattr(model.model.layers[0].self_attn.o_proj, "weight", None) if len(model.model.layers) else None
+    smallest = None if weight is None else weight.numel()  # None: int4 layers, which are not packed anyway
     return packed_by_default(dtype, model.device, smallest) and affordable(dense_bytes)
 
 
