@@ -42,7 +42,7 @@ def run_forward_bench(args: argparse.Namespace) -> dict:
     shapes = sorted({(1, 1)} | {(1, k) for k in args.tokens} | {(r, args.batch_tokens) for r in args.rows if r > 1})
     max_rows = max(rows for rows, _ in shapes)
     context_ids = torch.randint(0, vocab, (max_rows, args.context_tokens), generator=generator)
-    packed = {"auto": None, "on": True, "off": False}[getattr(args, "packed_weights", "auto")]
+    packed = {"auto": None, "on": True, "off": False}[args.packed_weights]
     backends = {"ours": RaggedBackend(model, max_slots=max_rows, packed_weights=packed)}
     if backends["ours"].packed_weights:  # the same forward with F.linear on the plain weights, for the ratio
         backends["ours_dense"] = RaggedBackend(model, max_slots=max_rows, packed_weights=False)

@@ -187,15 +187,18 @@ def position_reports(
     for k in range(logits.shape[1]):
         rows = ~np.isnan(outcomes[:, k])
         y = outcomes[rows, k]
-        mean = (lambda x: float(x.mean())) if rows.any() else (lambda x: float("nan"))
         reports.append(PositionReport(
             k + 1, int(rows.sum()),
             expected_calibration_error(before[rows, k], y, num_bins),
             expected_calibration_error(after[rows, k], y, num_bins),
             roc_auc(before[rows, k], y), roc_auc(after[rows, k], y),
-            mean(before[rows, k]), mean(after[rows, k]), mean(y),
+            _mean(before[rows, k]), _mean(after[rows, k]), _mean(y),
         ))
     return reports
+
+
+def _mean(x: np.ndarray) -> float:
+    return float(x.mean()) if len(x) else float("nan")
 
 
 def pooled_report(logits: np.ndarray, outcomes: np.ndarray, temperatures: Sequence[float],

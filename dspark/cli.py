@@ -148,8 +148,9 @@ def add_bench_parser(subparsers) -> None:
                          help="requests per batched forward, --batch-tokens each")
     forward.add_argument("--batch-tokens", type=_positive_int, default=8)
     forward.add_argument("--packed-weights", choices=("auto", "on", "off"), default="auto",
-                         help="weights reordered once for oneDNN: auto = bf16 where native (the engine's default); "
-                              "on = also float32 (opt-in); packed forwards are also timed against plain weights")
+                         help="weights reordered once for oneDNN: auto = the engine's default (bf16 where native, "
+                              "float32 where bf16 is not); on = always; packed forwards are also timed against plain "
+                              "weights")
     forward.add_argument("--context-tokens", type=_positive_int, default=200)
     forward.add_argument("--repeats", type=_positive_int, default=15)
     add_dtype_arg(forward)

@@ -124,8 +124,8 @@ def pack_linears(module: nn.Module) -> int:
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            weight = getattr(child, "weight", None)
-            if type(child) is nn.Linear and packed_by_default(weight.dtype, weight.device, weight.numel()):
+            if type(child) is nn.Linear and packed_by_default(child.weight.dtype, child.weight.device,
+                                                               child.weight.numel()):
                 packed = pack_linear(child.weight, child.bias)
                 if packed is not None:
                     setattr(parent, name, packed)
