@@ -105,7 +105,11 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> None:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        os.replace(staging, output_dir)
+        try:
+            os.replace(staging, output_dir)
+        except OSError:  # another process finished the same conversion first: keep its copy
+            if not (output_dir / "config.json").is_file():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log("conversion done")

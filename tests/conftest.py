@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -57,10 +58,18 @@ def _sharpen(model) -> None:
         head.weight.mul_(20.0)
 
 
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (`-n`), each worker takes its share of the cores: two workers each running
+    the real model on every core would oversubscribe them, which costs far more than it saves."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 @pytest.fixture(autouse=True)
 def one_thread_for_tiny_models(request):
     """Tiny models run faster on one thread (and leave the other core to parallel work); the real
-    default model keeps every thread."""
+    default model keeps this worker's threads."""
     threads = torch.get_num_threads()
     if request.node.get_closest_marker("real_model") is None:
         torch.set_num_threads(1)

@@ -5,6 +5,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -350,6 +351,20 @@ def test_bf16_autocast_tracks_fp32_training(workdir):
     assert bf16["loss"] != fp32["loss"]  # autocast really ran
 
 
+def run_torchrun(command: list[str], env: dict, output_dir: Path, attempts: int = 2,
+                 timeout: int = 240) -> subprocess.CompletedProcess:
+    """torchrun, retried once from scratch when it hangs: gloo's teardown has been seen to hang once in a
+    full CI run on a loaded machine (pytorch/pytorch#75097) and never in isolation; a second hang fails."""
+    hang = None
+    for _ in range(attempts):
+        shutil.rmtree(output_dir, ignore_errors=True)
+        try:
+            return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as error:
+            hang = error
+    raise AssertionError(f"torchrun hung {attempts} times; stderr: {hang.stderr!r}") from hang
+
+
 def test_torchrun_two_processes_match_single_process(workdir):
     single = tiny_config(workdir, "single", max_steps=4, save_every=4, eval_every=4)
     train(single)
@@ -365,7 +380,7 @@ def test_torchrun_two_processes_match_single_process(workdir):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(script), "train", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    result = run_torchrun(command, env, workdir / "ddp")
     assert result.returncode == 0, result.stderr[-3000:]
     single_log = read_log(workdir / "single" / "train_log.jsonl")
     ddp_log = read_log(workdir / "ddp" / "train_log.jsonl")
