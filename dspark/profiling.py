@@ -17,7 +17,7 @@ from dspark.drafters.base import Drafter
 from dspark.engine import Engine, Request, make_backend
 from dspark.errors import DsparkError
 from dspark.loading import LoadedTarget, cache_dir, log, target_dtype_name
-from dspark.ragged import Segment, auto_packed, supports_ragged
+from dspark.ragged import Segment, auto_packed, default_attention_dtype, supports_ragged
 from dspark.scheduler import RoundCost, SPSTable, profile_sps
 
 _COSTS: dict[Path, RoundCost] = {}
@@ -29,6 +29,8 @@ def _target_tag(loaded: LoadedTarget) -> str:
     dtype = target_dtype_name(model)  # int4 apart
     if dtype in ("bfloat16", "float32") and supports_ragged(model) and auto_packed(model):
         dtype += "-packed"  # the forward with oneDNN-packed weights has another cost curve than the plain one
+    if supports_ragged(model) and default_attention_dtype(model.dtype, model.device) != model.dtype:
+        dtype += "-attn32"  # likewise float32 attention over a half-precision target
     return f"{loaded.name}-{model.device.type}-{dtype}-t{torch.get_num_threads()}"
 
 

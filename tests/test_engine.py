@@ -15,7 +15,15 @@ from dspark.drafters.dspark_drafter import DSparkDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine, Request, make_backend
 from dspark.errors import DsparkError
-from dspark.ragged import RaggedBackend, Segment
+from dspark.ragged import (
+    RaggedBackend,
+    Segment,
+    default_attention_dtype,
+    half_signed,
+    rms_norm,
+    rotate,
+    rotate_half,
+)
 from dspark.sampling import SamplingParams, make_generator
 from dspark.scheduler import PROBE_EVERY, SPSTable
 from dspark.target import SerialBackend, Target
@@ -63,6 +71,33 @@ def test_ragged_forward_matches_hf(arch, attention):
     again = ragged.forward([Segment(slots[0], sequences[0][2:], "all")])[0]
     torch.testing.assert_close(again.logits, Target(model).extend(sequences[0]).logits[2:], atol=1e-4, rtol=1e-4)
     assert ragged.length(slots[0]) == sequences[0].shape[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_fused_rms_norm_is_bit_identical_to_the_module(arch, dtype):
+    model = model_of(arch).to(dtype)
+    layer = model.model.layers[0]
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, model.model.norm]
+    norms += [n for n in (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)) if n]
+    assert len(norms) == (5 if arch == "qwen3" else 3)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(torch.randn(norm.weight.shape, generator=generator))
+            x = (3 * torch.randn(7, 5, norm.weight.shape[0], generator=generator)).to(dtype)
+            assert torch.equal(rms_norm(x, norm), norm(x))
+    other = torch.nn.LayerNorm(8)  # not an RMSNorm: runs as its own module
+    x = torch.randn(3, 8)
+    assert torch.equal(rms_norm(x, other), other(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_with_signed_sin_is_bit_identical_to_rotate_half(dtype):
+    generator = torch.Generator().manual_seed(0)
+    x, cos, sin = (torch.randn(shape, generator=generator).to(dtype) for shape in [(6, 12, 64), (6, 1, 64), (6, 1, 64)])
+    assert torch.equal(rotate(x, cos, half_signed(sin)), rotate_half(x, cos, sin))
+    assert not torch.equal(rotate(x, cos, sin), rotate_half(x, cos, sin))  # the sign is what makes it so
 
 
 @pytest.mark.parametrize("busy", [[0, 1, 2, 3], [3, 0, 2]])
@@ -135,6 +170,44 @@ def test_batched_greedy_equals_single_requests(arch, drafter_kind):
         assert request.output_ids == hf_greedy(model, request.prompt_ids, request.max_new_tokens)
     assert engine.stats.num_generated == sum(len(r.output_ids) for r in requests)
     assert not engine.running and len(backend.free) == 3
+
+
+@pytest.mark.parametrize("drafter_kind", ["dspark", "ngram"])
+def test_bf16_speculative_greedy_equals_our_vanilla_greedy(drafter_kind):
+    """In bf16 (float32 attention on a CPU) speculative decoding through 3 slots gives exactly what our own
+    forward decodes one token at a time, one request at a time: verifying k tokens at once and batching requests
+    change no row's numbers enough to flip an argmax."""
+    model = tiny_model("llama", num_layers=3).to(torch.bfloat16)
+    drafter = random_dspark(model) if drafter_kind == "dspark" else NgramDrafter(max_ngram=2)
+    if drafter_kind == "dspark":
+        drafter.model.to(torch.bfloat16)
+    backend = make_backend(model, drafter.target_layer_ids, max_slots=3)
+    assert backend.cache.keys[0].dtype == torch.float32
+    requests = [Request(p, max_new_tokens=16) for p in prompts(5)]
+    Engine(backend, drafter, block_size=4, prefill_chunk=5).run(requests)
+    vanilla = Engine(make_backend(model, (), max_slots=1), NoDrafter())
+    for request in requests:
+        alone = Request(request.prompt_ids, max_new_tokens=16)
+        vanilla.run([alone])
+        assert request.output_ids == alone.output_ids
+
+
+def test_attention_runs_in_float32_for_half_precision_targets_on_a_cpu():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_attention_dtype(torch.bfloat16, cpu) == default_attention_dtype(torch.float16, cpu) == torch.float32
+    assert default_attention_dtype(torch.float32, cpu) == torch.float32
+    assert default_attention_dtype(torch.bfloat16, cuda) == torch.bfloat16
+    model = tiny_model("llama", num_layers=3).to(torch.bfloat16)
+    tokens = prompts(1, seed=3)[0]
+    reference = Target(model).extend(tokens).logits.float()  # HF's bf16 forward, bf16 attention
+    for attention_dtype, cache_dtype in [(None, torch.float32), (torch.bfloat16, torch.bfloat16)]:
+        backend = RaggedBackend(model, max_slots=1, attention_dtype=attention_dtype)
+        assert backend.cache.keys[0].dtype == cache_dtype
+        slot = backend.allocate()
+        head = backend.forward([Segment(slot, tokens[:-4], "all")])[0].logits
+        tail = backend.forward([Segment(slot, tokens[-4:], "all")])[0].logits
+        assert head.dtype == torch.float32
+        torch.testing.assert_close(torch.cat([head, tail]).float(), reference, atol=0.15, rtol=0.02)
 
 
 def test_request_joining_mid_flight_and_abort():
