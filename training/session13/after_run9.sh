@@ -16,8 +16,9 @@ for T in 0 1; do
 done
 python scripts/ab_forward.py --old-rev dd92dec --tokens 1 8 --repeats 31 > $S/ab_forward.json 2> $S/ab_forward.err
 dspark bench forward --repeats 15 > $S/forward_bf16.json 2> $S/forward_bf16.err
+# (ran without the drafters' rows; training/session13/speed.sh, run after this script, has them)
 dspark bench speed --dataset $E/humaneval.jsonl --num-prompts 4 --max-new-tokens 128 --scheduler dspark \
-    --peer llama.cpp --peer-gguf bf16 --json > $S/speed_bf16.json 2> $S/speed_bf16.err
+    --peer llama.cpp --peer-gguf bf16 --json > $S/speed_bf16_nodrafter.json 2> $S/speed_bf16_nodrafter.err
 
 dspark bench load --max-concurrency 8 --num-requests 8 --max-new-tokens 48 --dataset $E/mt-bench.jsonl \
     --policy none --policy fixed-3 --policy fixed-7 --policy dspark --policy dspark-async --repeats 3 \
