@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from dspark.ragged import fuse_layer, linear, rotate_half, supports_ragged
+from dspark.ragged import fuse_layer, half_signed, linear, rms_norm, rotate, supports_ragged
 from dspark.sampling import SamplingParams, sample_tokens
 
 PREFILL_ROWS = 8  # rows per prefill attention call: bounds the (rows, heads, T, T) score tensor
@@ -62,26 +62,26 @@ class StaticBatch:
         self._bias = bias
         x = inner.embed_tokens(tokens)
         cos, sin = inner.rotary_emb(x, positions)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # (rows, T, 1, hd)
+        cos, sin = cos[:, :, None], half_signed(sin[:, :, None])  # (rows, T, 1, hd)
         for index, layer in enumerate(self.layers):
             x = x + self._attention(layer, index, x, cos, sin, start, size)
-            h = layer.post_norm(x)
+            h = rms_norm(x, layer.post_norm)
             gate, up = linear(h, layer.gate_up).chunk(2, -1)
             x = x + linear(F.silu(gate) * up, layer.down)
         self.length = start + size
-        return self.model.get_output_embeddings()(inner.norm(x[:, -1])).float()
+        return self.model.get_output_embeddings()(rms_norm(x[:, -1], inner.norm)).float()
 
     def _attention(self, layer, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    start: int, size: int) -> torch.Tensor:
         rows = x.shape[0]
-        qkv = linear(layer.input_norm(x), layer.qkv, layer.qkv_bias)
+        qkv = linear(rms_norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[..., :q_size].view(rows, size, self.num_heads, self.head_dim)
         k = qkv[..., q_size : q_size + kv_size].view(rows, size, self.num_kv_heads, self.head_dim)
         v = qkv[..., q_size + kv_size :].view(rows, size, self.num_kv_heads, self.head_dim)
         if layer.q_norm is not None:
-            q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+            q, k = rms_norm(q, layer.q_norm), rms_norm(k, layer.k_norm)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         end = start + size
         self.keys[index][:, :, start:end] = k.transpose(1, 2)
         self.values[index][:, :, start:end] = v.transpose(1, 2)

@@ -429,12 +429,6 @@ def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     return norm.weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (N, H, hd) with cos/sin (N, 1, hd); rotate-half convention."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
-
-
 def half_signed(sin: torch.Tensor) -> torch.Tensor:
     """sin with its first half negated, once per forward, for `rotate`."""
     half = sin.shape[-1] // 2
@@ -442,8 +436,9 @@ def half_signed(sin: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """`rotate_half(x, cos, sin)` given signed_sin = half_signed(sin): the same products (negating a factor is
-    exact), so the same bits, in 4 ops instead of 7 — per layer, at batch 1, ops are what cost."""
+    """Rotary embedding, rotate-half convention, of x (..., H, hd) with cos and signed_sin = half_signed(sin)
+    broadcast over heads: HF's x·cos + rotate_half(x)·sin with the same products (negating a factor is exact), so
+    the same bits, in 4 ops instead of 7 — per layer, at batch 1, ops are what cost."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 

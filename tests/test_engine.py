@@ -22,7 +22,6 @@ from dspark.ragged import (
     half_signed,
     rms_norm,
     rotate,
-    rotate_half,
 )
 from dspark.sampling import SamplingParams, make_generator
 from dspark.scheduler import PROBE_EVERY, SPSTable
@@ -90,6 +89,12 @@ def test_fused_rms_norm_is_bit_identical_to_the_module(arch, dtype):
     other = torch.nn.LayerNorm(8)  # not an RMSNorm: runs as its own module
     x = torch.randn(3, 8)
     assert torch.equal(rms_norm(x, other), other(x))
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotary formula, as written in modeling_llama: the reference for `rotate`."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
