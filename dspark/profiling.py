@@ -18,7 +18,7 @@ from dspark.engine import Engine, Request, make_backend
 from dspark.errors import DsparkError
 from dspark.loading import LoadedTarget, cache_dir, log, target_dtype_name
 from dspark.ragged import Segment, auto_packed, default_attention_dtype, supports_ragged
-from dspark.scheduler import RoundCost, SPSTable, profile_sps
+from dspark.scheduler import RoundCost, SPSTable, time_interleaved
 
 _COSTS: dict[Path, RoundCost] = {}
 _DRAFTS: dict[Path, dict[int, float]] = {}
@@ -39,7 +39,8 @@ def _safe(tag: str) -> str:
 
 
 def profile_path(loaded: LoadedTarget, context_tokens: int) -> Path:
-    return cache_dir() / "profiles" / f"{_safe(_target_tag(loaded))}-ctx{context_tokens}-by-requests.json"
+    # "-v2": timed interleaved and fitted piecewise-linearly on a CPU since session 14 (v1 files could read flat)
+    return cache_dir() / "profiles" / f"{_safe(_target_tag(loaded))}-ctx{context_tokens}-by-requests-v2.json"
 
 
 def request_counts(max_requests: int) -> list[int]:
@@ -54,11 +55,12 @@ def _spread(num_tokens: int, num_requests: int) -> list[int]:
 
 
 def measure_verify(loaded: LoadedTarget, max_requests: int, tokens_per_request: int, context_tokens: int = 256,
-                   repeats: int = 5) -> dict[int, SPSTable]:
+                   repeats: int = 7) -> dict[int, SPSTable]:
     """SPS_R(B) for each R of `request_counts(max_requests)` and B = R..R·tokens_per_request, as the engine
     issues them: one forward of the engine's backend over R requests, each on a cache of `context_tokens`
     (rolled back after each). B is measured densely up to 32 and every 8 tokens beyond (interpolated between);
-    B < R is not a round of R requests and reads as B = R."""
+    B < R is not a round of R requests and reads as B = R. All cells are timed interleaved, median of `repeats`;
+    on a CPU each curve is a piecewise-linear least-squares fit of its cells (`SPSTable.from_measurements`)."""
     backend = make_backend(loaded.model, max_slots=max_requests)
     vocab = min(int(loaded.model.get_output_embeddings().weight.shape[0]), 1000)
     generator = torch.Generator().manual_seed(0)
@@ -66,21 +68,27 @@ def measure_verify(loaded: LoadedTarget, max_requests: int, tokens_per_request: 
     for slot in slots:
         backend.forward([Segment(slot, torch.randint(0, vocab, (context_tokens,), generator=generator), "none")])
     tokens = torch.randint(0, vocab, (max_requests * tokens_per_request,), generator=generator)
-    tables = {}
-    for requests in request_counts(max_requests):
-        def forward(num_tokens: int, requests: int = requests) -> None:
-            counts = _spread(max(num_tokens, requests), requests)
-            starts = [sum(counts[:i]) for i in range(requests)]
-            segments = [Segment(slots[i], tokens[start : start + n])
-                        for i, (start, n) in enumerate(zip(starts, counts, strict=True))]
-            backend.forward(segments)
-            for segment in segments:
-                backend.rollback(segment.slot, context_tokens)
 
+    def forward(requests: int, num_tokens: int) -> None:
+        counts = _spread(max(num_tokens, requests), requests)
+        starts = [sum(counts[:i]) for i in range(requests)]
+        segments = [Segment(slots[i], tokens[start : start + n])
+                    for i, (start, n) in enumerate(zip(starts, counts, strict=True))]
+        backend.forward(segments)
+        for segment in segments:
+            backend.rollback(segment.slot, context_tokens)
+
+    sizes = {}
+    for requests in request_counts(max_requests):
         largest = requests * tokens_per_request
-        sizes = sorted({*range(requests, min(largest, 32) + 1), *range(32, largest + 1, 8), largest})
-        measured = profile_sps(forward, largest, repeats=repeats, sizes=sizes)
-        tables[requests] = SPSTable.from_measurements({b: measured(b) for b in sizes})
+        sizes[requests] = sorted({*range(requests, min(largest, 32) + 1), *range(32, largest + 1, 8), largest})
+    # every (R, B) cell in one interleaved measurement: a slow spell cannot tilt one curve against another
+    seconds = time_interleaved({(r, b): (lambda r=r, b=b: forward(r, b)) for r, bs in sizes.items() for b in bs},
+                               repeats=repeats)
+    # a CPU forward's time grows smoothly with B; a GPU's may step at tile sizes, which a line would smear
+    method = "piecewise-linear" if loaded.model.device.type == "cpu" else "isotonic"
+    tables = {r: SPSTable.from_measurements({b: 1.0 / max(seconds[r, b], 1e-9) for b in bs}, method)
+              for r, bs in sizes.items()}
     for slot in slots:
         backend.release(slot)
     return tables

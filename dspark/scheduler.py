@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from dspark.errors import DsparkError
 
 #: Per request r, its prefix survival a_{r,1..γ_r} (non-increasing); lists, tensors or arrays.
@@ -104,13 +106,18 @@ class SPSTable:
 
         `measured` is either SPS(1..n) in order, or {B: SPS(B)} for some B (the rest are
         interpolated linearly in between and clamped before the first measured B).
-        `method`: "isotonic" (least-squares fit) or "running-min" (pessimistic envelope).
+        `method`: "isotonic" (least-squares monotone fit), "running-min" (pessimistic envelope) or
+        "piecewise-linear" (`piecewise_linear_times`, then isotonic).
         """
-        if isinstance(measured, Mapping):
-            measured = _interpolate(measured)
-        smooth = {"isotonic": _isotonic_non_increasing, "running-min": _running_min}.get(method)
+        smooth = {"isotonic": _isotonic_non_increasing, "running-min": _running_min,
+                  "piecewise-linear": _isotonic_non_increasing}.get(method)
         if smooth is None:
-            raise DsparkError(f"unknown SPS smoothing {method!r}; use 'isotonic' or 'running-min'")
+            raise DsparkError(f"unknown SPS smoothing {method!r}; use 'isotonic', 'running-min' or 'piecewise-linear'")
+        if method == "piecewise-linear":
+            points = measured if isinstance(measured, Mapping) else dict(enumerate(measured, start=1))
+            measured = [1.0 / t for t in piecewise_linear_times({b: 1.0 / float(v) for b, v in points.items()})]
+        elif isinstance(measured, Mapping):
+            measured = _interpolate(measured)
         return cls(tuple(smooth(list(measured))))
 
     @property
@@ -205,6 +212,39 @@ def _bracket(counts: list[int], n: int) -> tuple[int | None, int | None, float]:
     return lower, upper, (n - lower) / (upper - lower)
 
 
+def piecewise_linear_times(times: Mapping[int, float], min_points: int = 4) -> list[float]:
+    """Step times t(1..max B) from measured {B: seconds}: the least-squares continuous piecewise-linear fit, knots
+    at the first measured B and its doublings (a knot is dropped when its segment would hold fewer than
+    `min_points` measurements), flat before the first measured B.
+
+    Why not isotonic on the raw cells: on a shared CPU the cells of one profile scatter by ±10% while the true
+    curve rises by ~1% a token, and pooling adjacent violators then turns whole stretches flat (one profile read
+    8 requests x 1 token and 8 x 2 tokens at the same 58 ms; measured apart, 51 and 70 ms), which tells the
+    scheduler that those tokens are free. A line through all cells of a segment reads the slope from all of them.
+    """
+    sizes = sorted(int(b) for b in times)
+    if not sizes or sizes[0] < 1:
+        raise DsparkError("measured batch sizes must be >= 1")
+    if any(not (math.isfinite(t) and t > 0) for t in times.values()):
+        raise DsparkError("measured step times must be finite and positive")
+    first, last = sizes[0], sizes[-1]
+    knots, knot = [], 2 * first
+    while knot < last:
+        inside = [b for b in sizes if (knots[-1] if knots else first) <= b <= knot]
+        if len(inside) >= min_points and len([b for b in sizes if b >= knot]) >= min_points:
+            knots.append(knot)
+        knot *= 2
+    design = np.array([[1.0, b - first, *(max(0.0, b - k) for k in knots)] for b in sizes])
+    target = np.array([float(times[b]) for b in sizes])
+    coefficients = np.linalg.lstsq(design, target, rcond=None)[0]
+    floor = 0.5 * float(target.min())  # a wild fit cannot make a step free or negative
+    fitted = []
+    for b in range(1, last + 1):
+        x = max(b, first)
+        fitted.append(max(floor, float(coefficients @ np.array([1.0, x - first, *(max(0.0, x - k) for k in knots)]))))
+    return fitted
+
+
 def _interpolate(points: Mapping[int, float]) -> list[float]:
     """SPS(1..max B) from a sparse {B: SPS(B)}: linear between measured B, flat before the first."""
     sizes = sorted(int(b) for b in points)
@@ -222,26 +262,40 @@ def _interpolate(points: Mapping[int, float]) -> list[float]:
     return values
 
 
+def time_interleaved(cells: Mapping[Any, Callable[[], Any]], repeats: int = 5, warmup: int = 1,
+                     seed: int = 0) -> dict[Any, float]:
+    """Median seconds of each call in `cells`, timed in passes that visit every cell once in a fresh
+    (seeded) random order. A machine's slow spells then fall on every cell alike: timed one cell after
+    another, a spell that hit only the 1-token cells made a whole step curve read flat (session 14), and
+    a flat curve tells Algorithm 1 that every draft is free to verify."""
+    keys = list(cells)
+    for key in keys:
+        for _ in range(warmup):
+            cells[key]()
+    timings: dict[Any, list[float]] = {key: [] for key in keys}
+    order = random.Random(seed)
+    for _ in range(repeats):
+        order.shuffle(keys)
+        for key in keys:
+            start = time.perf_counter()
+            cells[key]()
+            timings[key].append(time.perf_counter() - start)
+    return {key: statistics.median(values) for key, values in timings.items()}
+
+
 def profile_sps(forward_fn: Callable[[int], Any], max_tokens: int, repeats: int = 5, warmup: int = 1,
                 sizes: Iterable[int] | None = None, method: str = "isotonic") -> SPSTable:
     """Time `forward_fn(B)` (one target forward over B tokens) and return the smoothed table.
 
     `forward_fn` must block until the forward has finished (e.g. end with torch.cuda.synchronize()),
-    or the timing measures only the kernel launch. The median of `repeats` timings is used, since a
-    stray slow step (allocator, other process) should not set a batch size's cost. `sizes` restricts
-    the measured B (the rest are interpolated); default every B in 1..max_tokens.
+    or the timing measures only the kernel launch. The sizes are timed interleaved (`time_interleaved`)
+    and the median of `repeats` timings is used, since a stray slow step (allocator, other process)
+    should not set a batch size's cost. `sizes` restricts the measured B (the rest are interpolated);
+    default every B in 1..max_tokens.
     """
-    measured = {}
-    for b in sorted(set(sizes) if sizes is not None else range(1, max_tokens + 1)):
-        for _ in range(warmup):
-            forward_fn(b)
-        timings = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            forward_fn(b)
-            timings.append(time.perf_counter() - start)
-        measured[b] = 1.0 / max(statistics.median(timings), 1e-9)
-    return SPSTable.from_measurements(measured, method)
+    sizes = sorted(set(sizes) if sizes is not None else range(1, max_tokens + 1))
+    seconds = time_interleaved({b: (lambda b=b: forward_fn(b)) for b in sizes}, repeats, warmup)
+    return SPSTable.from_measurements({b: 1.0 / max(seconds[b], 1e-9) for b in sizes}, method)
 
 
 # ------------------------------------------------------------------------------ schedulers
@@ -372,8 +426,10 @@ def topk_lengths(survival: Survival, k: int) -> list[int]:
 # ------------------------------------------------------------------------ registry by name
 
 
-#: a `dspark-async` request that has not drafted for this many rounds drafts again (and the round is scheduled
-#: synchronously), so a capacity of 0 cannot switch its drafting off for good
+#: a `dspark-async` request that has not drafted for this many rounds times the number of requests drafts again
+#: (and the round is scheduled synchronously), so a capacity of 0 cannot switch its drafting off for good, while the
+#: batch as a whole spends about one probe per PROBE_EVERY rounds: with a probe every 8 rounds per request, 8
+#: requests had one of them drafting in most rounds, ~10% of an 8-request round on a 2-core CPU (session 14)
 PROBE_EVERY = 8
 
 
@@ -405,8 +461,8 @@ def _plan_round(cost: "StepCurve | RoundCost", state: SchedulerState, keys: Sequ
 
     Both come from each request's newest survival at least two rounds old (it cannot depend on this round's
     drafts, so skipping on it is lossless; `async_plan`). A request without such a survival (new), or whose
-    newest is over PROBE_EVERY rounds old, drafts to probe, and then dspark-async schedules the round by
-    synchronous Algorithm 1 (also lossless), as every round is until two have been seen."""
+    newest is over PROBE_EVERY·R rounds old (R requests), drafts to probe, and then dspark-async schedules the
+    round by synchronous Algorithm 1 (also lossless), as every round is until two have been seen."""
     state.round += 1
     keys = list(keys if keys is not None else state.keys if state.keys is not None else [0])
     for gone in [key for key in state.history if key not in keys]:
@@ -415,7 +471,7 @@ def _plan_round(cost: "StepCurve | RoundCost", state: SchedulerState, keys: Sequ
     for key in keys:
         rounds = state.history.get(key, ())
         usable = [rows for number, rows in rounds if number <= state.round - 2]
-        if not usable or state.round - rounds[-1][0] > PROBE_EVERY:
+        if not usable or state.round - rounds[-1][0] > PROBE_EVERY * len(keys):
             probing.add(key)
         else:
             old[key] = usable[-1]

@@ -1,7 +1,7 @@
 """Probe (`python scripts/probe_load_round.py [concurrency] [policy] [profile]`): where a round of R requests
 goes, with the default target (bf16) and drafter, on mt-bench prompts: the ragged target forward alone (R requests
-x 1 token on their caches) against the whole engine round, and with `profile` a cProfile of 24 steady rounds (top
-functions by own time)."""
+x 1 token on their caches) against the whole engine round, and with `profile [sort] [count]` a cProfile of 24 steady
+rounds (top functions by own time, or by `sort`, e.g. cumtime)."""
 import cProfile
 import pstats
 import statistics
@@ -61,4 +61,5 @@ profile.enable()
 for _ in range(24):
     engine.step()
 profile.disable()
-pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+sort_key = sys.argv[4] if len(sys.argv) > 4 else "tottime"
+pstats.Stats(profile).sort_stats(sort_key).print_stats(int(sys.argv[5]) if len(sys.argv) > 5 else 18)

@@ -127,7 +127,7 @@ def test_profile_and_bench_draft_run_in_the_chosen_dtype(capsys, tiny_on_disk, t
     profile = last_json(capsys, "profile", "--target", target, "--max-concurrency", 2, "--block-size", 1,
                         "--context-tokens", 8, "--dtype", "bfloat16")
     assert profile["dtype"] == "bfloat16" and [len(t) for t in profile["sps_by_requests"]["8"].values()] == [2, 4]
-    assert list((tmp_path / "profiles").glob("*-bfloat16-*ctx8-by-requests.json"))  # cached per dtype
+    assert list((tmp_path / "profiles").glob("*-bfloat16-*ctx8-by-requests-v2.json"))  # cached per dtype
     draft = last_json(capsys, "bench", "draft", "--target", target, "--max-layers", 1, "--repeats", 1,
                       "--markov-rank", 4, "--block-size", 2, "--draft-dtype", "float32")
     assert draft["dtype"] == "float32" and draft["draft_dtype"] == "torch.float32"

@@ -24,11 +24,13 @@ from dspark.scheduler import (
     dspark_lengths,
     fixed_lengths,
     get_scheduler,
+    piecewise_linear_times,
     profile_sps,
     resolve_block_size,
     retrospective_lengths,
     scheduler_overhead,
     threshold_lengths,
+    time_interleaved,
     topk_lengths,
 )
 from dspark.verify import emitted_tokens, verify_sampled
@@ -52,7 +54,38 @@ def test_sps_table_smooths_jagged_measurements_to_monotone():
     with pytest.raises(DsparkError):
         SPSTable((1.0, 2.0))  # the raw constructor insists on monotone values
     with pytest.raises(DsparkError):
-        SPSTable.from_measurements(jagged, "spline")
+        SPSTable.from_measurements(jagged, "cubic")
+
+
+def test_piecewise_linear_fit_reads_the_slope_where_isotonic_pooling_goes_flat():
+    """8 requests: true step time 50 ms + 2 ms a token from B = 8 to 16. One cell reads 10% slow (B = 8), as a
+    shared machine's cells do: pooling adjacent violators then makes the first tokens look free, while a line
+    through every cell keeps the slope."""
+    true = {b: 0.050 + 0.002 * (b - 8) for b in range(8, 17)}
+    measured = {**true, 8: true[8] * 1.10}
+    isotonic = SPSTable.from_measurements({b: 1 / t for b, t in measured.items()})
+    fitted = SPSTable.from_measurements({b: 1 / t for b, t in measured.items()}, "piecewise-linear")
+    assert 1 / isotonic(9) - 1 / isotonic(8) == pytest.approx(0.0, abs=1e-12)  # the flat stretch
+    slope = (1 / fitted(16) - 1 / fitted(8)) / 8
+    assert slope == pytest.approx(0.002, rel=0.2)  # the outlier pulls a line by 17%, not to zero
+    assert all(b <= a for a, b in zip(fitted.values, fitted.values[1:], strict=False))
+    assert fitted(1) == fitted(8)  # flat before the first measured B (fewer tokens than requests)
+    assert fitted.max_tokens == 16
+
+
+def test_piecewise_linear_fit_recovers_a_curve_that_bends_at_a_doubling():
+    """Knots sit at the first B and its doublings, so a curve that is steep up to 16 tokens and shallow after
+    (weights read once, then arithmetic) is recovered exactly; a knot whose segment would hold fewer than 4
+    cells is dropped."""
+    times = {b: 0.050 + 0.002 * (b - 8) - 0.0015 * max(0, b - 16) for b in [*range(8, 33), 40, 48, 56, 64]}
+    fitted = piecewise_linear_times(times)
+    assert [fitted[b - 1] for b in times] == pytest.approx(list(times.values()), rel=1e-9)
+    few = piecewise_linear_times({1: 0.030, 2: 0.031, 3: 0.032, 8: 0.037})  # knot 2 and 4: segments too short
+    assert few == pytest.approx([0.030 + 0.001 * (b - 1) for b in range(1, 9)], rel=1e-9)
+    rising = SPSTable.from_measurements({1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0}, "piecewise-linear")
+    assert rising.values == pytest.approx((11.5,) * 4, rel=0.02)  # a faster-with-more-tokens fit is pooled flat
+    with pytest.raises(DsparkError):
+        piecewise_linear_times({0: 0.01, 1: 0.02})
 
 
 def test_sps_table_interpolates_sparse_measurements_and_clamps_lookups():
@@ -80,7 +113,9 @@ def test_profile_sps_times_a_fake_forward(monkeypatch):
 
     monkeypatch.setattr("dspark.scheduler.time.perf_counter", lambda: clock[0])
     sps = profile_sps(forward, max_tokens=8, repeats=3, warmup=1)
-    assert calls == [b for b in range(1, 9) for _ in range(4)]
+    assert calls[:8] == list(range(1, 9))  # one warm-up each, then 3 passes over every size in shuffled orders
+    assert all(sorted(calls[start : start + 8]) == list(range(1, 9)) for start in (8, 16, 24)) and len(calls) == 32
+    assert calls[8:16] != list(range(1, 9))
     assert sps.max_tokens == 8
     assert all(b <= a for a, b in zip(sps.values, sps.values[1:], strict=False))
     assert sps(1) == pytest.approx(1 / 0.011)
@@ -89,8 +124,27 @@ def test_profile_sps_times_a_fake_forward(monkeypatch):
 
     calls.clear()
     sparse = profile_sps(forward, max_tokens=8, repeats=1, warmup=0, sizes=[1, 8])
-    assert calls == [1, 8] and sparse.max_tokens == 8
+    assert sorted(calls) == [1, 8] and sparse.max_tokens == 8
     assert sparse(1) == pytest.approx(1 / 0.011) and sparse(8) == pytest.approx(1 / 0.018)
+
+
+def test_interleaved_timing_spreads_a_slow_spell_over_every_cell(monkeypatch):
+    """Every call takes 1 s, but the first 2 passes' worth of calls run in a slow spell (+1 s). Timed one cell
+    after another, the first cell would read 2 s (all its timings in the spell) and the curve would tilt;
+    interleaved, each cell has 2 of 5 timings in the spell and its median is the true 1 s."""
+    clock, calls = [0.0], []
+
+    def cell(name):
+        def call():
+            calls.append(name)
+            timed = len(calls) - 3  # after the 3 warm-up calls
+            clock[0] += 2.0 if 0 <= timed < 6 else 1.0
+        return call
+
+    monkeypatch.setattr("dspark.scheduler.time.perf_counter", lambda: clock[0])
+    seconds = time_interleaved({name: cell(name) for name in "abc"}, repeats=5, warmup=1)
+    assert seconds == {"a": 1.0, "b": 1.0, "c": 1.0}
+    assert len(calls) == 18 and calls[:3] == ["a", "b", "c"]
 
 
 # -------------------------------------------------------------------- simple schedulers
@@ -246,6 +300,25 @@ def test_dspark_async_begin_round_skips_on_zero_capacity_and_probes():
     # rounds 1-2 synchronous, then a probe once the newest survival is PROBE_EVERY + 1 rounds old
     assert drafted == [1, 2, 3 + PROBE_EVERY, 4 + 2 * PROBE_EVERY, 5 + 3 * PROBE_EVERY]
     assert [number for number, _ in state.history[0]] == drafted[-2:]
+
+
+def test_dspark_async_probes_once_per_probe_every_rounds_per_batch_not_per_request():
+    """Four hopeless requests: each probes every PROBE_EVERY·4 rounds, so the batch drafts about once per
+    PROBE_EVERY rounds instead of four times (a probe is a drafter forward the round then rarely uses)."""
+    sps = table(lambda b: 1 / (0.02 + 0.05 * b))
+    scheduler, state, keys = get_scheduler("dspark-async"), SchedulerState(), ["a", "b", "c", "d"]
+    probes = {key: [] for key in keys}
+    for _ in range(2 + 4 * PROBE_EVERY * 3):
+        drafting = scheduler.begin_round(sps, state, keys)
+        state.keys = keys
+        for key in drafting:
+            probes[key].append(state.round)
+        assert scheduler([[0.001] * 4 if key in drafting else [] for key in keys], sps, state) == [0] * 4
+    for rounds in probes.values():
+        assert rounds[:2] == [1, 2]  # new: synchronous until two rounds have been seen
+        gaps = [b - a for a, b in zip(rounds[1:], rounds[2:], strict=False)]
+        assert gaps == [4 * PROBE_EVERY + 1] * (len(rounds) - 2)
+    assert sum(len(rounds) - 2 for rounds in probes.values()) <= 4 * 3  # ~1 probe per PROBE_EVERY rounds in all
 
 
 def test_round_cost_interpolates_step_time_between_request_counts():
