@@ -79,7 +79,7 @@ def run_load_bench(args: argparse.Namespace) -> dict:
     sps = None  # one profile, for the largest concurrency, shared by every level
     if any(p.startswith("dspark") for p in policies):
         sps = step_rates(loaded, "dspark", block_size, args.max_concurrency)
-    if "dspark-async" in policies and block_size > 0:  # its drafting cost too, once for every level
+    if {"dspark-async", "dspark-planned"} & set(policies) and block_size > 0:  # drafting cost, once for all levels
         sps = RoundCost(sps.verify, draft_cost(loaded, drafter, args.max_concurrency, block_size))
 
     results: dict[str, dict[str, list]] = {p: {"throughput": [], "per_user": [], "budget": [], "tau": [],

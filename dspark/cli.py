@@ -127,7 +127,7 @@ def add_bench_parser(subparsers) -> None:
                            "median of the passes (default 1)")
     load.add_argument("--policy", action="append", default=None,
                       help="scheduling policies to compare (repeatable; default: none, fixed-1/3/5/7, threshold, "
-                           "dspark, dspark-async)")
+                           "dspark, dspark-async; dspark-planned on request)")
     load.add_argument("--plot-dir", default=None, help="write load_frontier.png and load_budget.png here")
     load.add_argument("--json", action="store_true", help="(the JSON line is always printed last)")
     add_dtype_arg(load)

@@ -247,7 +247,8 @@ class Engine:
         begin_round = getattr(self.schedule, "begin_round", None)  # dspark-async: K and who drafts known first
         if requests and begin_round is not None:
             drafting = begin_round(self.cost, self.scheduler_state, [r.request_id for r in requests])
-            num_tokens = [n if r.request_id in drafting else 0 for r, n in zip(requests, num_tokens, strict=True)]
+            num_tokens = [n if r.request_id in drafting or self._drafts_for_free(r) else 0
+                          for r, n in zip(requests, num_tokens, strict=True)]
         active = [i for i, n in enumerate(num_tokens) if n > 0]
         drafts = [Draft.empty() for _ in requests]
         proposed = self._propose([requests[i] for i in active], [num_tokens[i] for i in active])
@@ -255,6 +256,14 @@ class Engine:
             if draft is not None:
                 drafts[i] = draft.truncate(num_tokens[i])
         return drafts
+
+    def _drafts_for_free(self, request: Request) -> bool:
+        """A draft that runs no model (a lookup hit) is made even where the plan skipped drafting; if asking
+        fails, the proposal itself will report it."""
+        try:
+            return self.drafter.drafts_for_free(request.drafter_state, request.context)
+        except Exception:
+            return False
 
     def _propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft | None]:
         """One batched proposal; if it fails, each request again alone from the same generator

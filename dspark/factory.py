@@ -58,7 +58,8 @@ def build_engine(
     chosen = scheduler if as_named else scheduler_for(scheduler, drafter, block_size)
     if sps is None:
         sps = step_rates(loaded, chosen, block_size, max_concurrency)
-    if chosen == "dspark-async" and block_size > 0 and isinstance(sps, RoundCost) and not sps.draft_seconds:
+    plans = chosen in ("dspark-async", "dspark-planned")
+    if plans and block_size > 0 and isinstance(sps, RoundCost) and not sps.draft_seconds:
         # it decides who drafts before drafting, so it weighs the drafter's (profiled) cost too
         sps = RoundCost(sps.verify, draft_cost(loaded, drafter, max_concurrency, block_size))
     backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=max_concurrency)

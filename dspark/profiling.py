@@ -18,6 +18,7 @@ from dspark.engine import Engine, Request, make_backend
 from dspark.errors import DsparkError
 from dspark.loading import LoadedTarget, cache_dir, log, target_dtype_name
 from dspark.ragged import Segment, auto_packed, default_attention_dtype, supports_ragged
+from dspark.sampling import SamplingParams
 from dspark.scheduler import RoundCost, SPSTable, time_interleaved
 
 _COSTS: dict[Path, RoundCost] = {}
@@ -137,19 +138,25 @@ def drafter_tag(drafter: Drafter) -> str:
 
 def draft_path(loaded: LoadedTarget, drafter: Drafter, block_size: int, context_tokens: int) -> Path:
     tag = f"draft-{_target_tag(loaded)}-{drafter_tag(drafter)}-g{block_size}-ctx{context_tokens}"
-    return cache_dir() / "profiles" / f"{_safe(tag)}.json"
+    return cache_dir() / "profiles" / f"{_safe(tag)}-v2.json"  # v2: a proposal includes its round's commit
 
 
 def measure_draft(loaded: LoadedTarget, drafter: Drafter, max_requests: int, block_size: int,
                   context_tokens: int = 256, repeats: int = 5) -> dict[int, float]:
     """Seconds one batched proposal of `block_size` drafts takes for n requests, n in `request_counts`,
-    on random prompts of `context_tokens` run through an engine of its own (freed after)."""
+    on random prompts of `context_tokens` run through an engine of its own (freed after). Each timed
+    proposal follows an untimed decoding round, so it also pays for projecting that round's committed
+    features, as a drafting request does in serving (drafters project commits when they next draft)."""
     vocab = min(int(loaded.model.get_output_embeddings().weight.shape[0]), 1000)
     generator = torch.Generator().manual_seed(0)
     backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=max_requests)
     aside = Engine(backend, drafter, block_size=block_size, scheduler="none", max_concurrency=max_requests)
-    requests = [aside.add(Request(torch.randint(0, vocab, (context_tokens,), generator=generator), 1 << 20))
-                for _ in range(max_requests)]
+    # sampled, not greedy: greedy continuations of random prompts soon loop, and a drafter that looks the
+    # context up first (`default+ngram`) would then time its free lookup instead of its model
+    sampled = SamplingParams(temperature=1.0)
+    requests = [aside.add(Request(torch.randint(0, vocab, (context_tokens,), generator=generator), 1 << 20,
+                                  sampled, torch.Generator().manual_seed(i)))
+                for i in range(max_requests)]
     while not all(r.prefilled or r.finished for r in requests):
         aside.step()
     failed = next((r.error for r in requests if r.finished), None)
@@ -161,12 +168,12 @@ def measure_draft(loaded: LoadedTarget, drafter: Drafter, max_requests: int, blo
 
         def propose(chosen: list[Request] = chosen) -> None:
             drafter.propose_batch([r.drafter_state for r in chosen], [r.context for r in chosen],
-                                  [block_size] * len(chosen), [r.sampling for r in chosen],
-                                  [r.generator for r in chosen])
+                                  [block_size] * len(chosen), [SamplingParams()] * len(chosen), [None] * len(chosen))
 
         propose()
         timings = []
         for _ in range(repeats):
+            aside.step()
             start = time.perf_counter()
             propose()
             timings.append(time.perf_counter() - start)

@@ -489,6 +489,39 @@ def _dspark(survival: Survival, sps: StepCurve, state: SchedulerState | None) ->
     return dspark_lengths(survival, sps)
 
 
+def _planned_keys(sps: StepCurve, state: SchedulerState, rows: list[list[float]]) -> list:
+    """The request key of each row; plans the round first if the caller did not (`begin_round`)."""
+    keys = list(state.keys) if state.keys is not None else list(range(len(rows)))
+    if len(keys) != len(rows):
+        raise DsparkError(f"{len(keys)} request keys for {len(rows)} survival rows")
+    if not state.begun:
+        _plan_round(sps, state, keys)
+    state.begun = False
+    return keys
+
+
+def _remember(state: SchedulerState, keys: Sequence, rows: list[list[float]]) -> None:
+    """Each drafting request's survival under its key (one that did not draft keeps its older one)."""
+    for key, row in zip(keys, rows, strict=True):
+        if row:
+            state.history.setdefault(key, deque(maxlen=2)).append((state.round, row))
+
+
+def _dspark_planned(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> list[int]:
+    """Algorithm 1 on the current confidences of the requests that drafted, where who drafts was planned before
+    drafting from survival at least two rounds old, as dspark-async plans it (`begin_round`): under load a
+    round no longer pays for drafts that Algorithm 1 then leaves unverified. Drafts that cost nothing (a prompt
+    lookup hit, `Drafter.drafts_for_free`) are made whatever the plan, since a lookup's worth is not predictable
+    two rounds ahead. Lossless: the plan reads no current draft, Algorithm 1 stops causally."""
+    rows = _rows(survival)
+    if state is not None:
+        _remember(state, _planned_keys(sps, state, rows), rows)
+    return dspark_lengths(rows, sps)
+
+
+_dspark_planned.begin_round = _plan_round
+
+
 def _dspark_async(survival: Survival, sps: StepCurve, state: SchedulerState | None) -> list[int]:
     """Top-K with K from two rounds ago; until two rounds have been seen, or while a request probes (or
     without a state), synchronous Algorithm 1, which is lossless too. The engine calls `begin_round` first
@@ -497,16 +530,9 @@ def _dspark_async(survival: Survival, sps: StepCurve, state: SchedulerState | No
     rows = _rows(survival)
     if state is None:
         return dspark_lengths(rows, sps)
-    keys = list(state.keys) if state.keys is not None else list(range(len(rows)))
-    if len(keys) != len(rows):
-        raise DsparkError(f"{len(keys)} request keys for {len(rows)} survival rows")
-    if not state.begun:
-        _plan_round(sps, state, keys)
-    state.begun = False
+    keys = _planned_keys(sps, state, rows)
     lengths = dspark_lengths(rows, sps) if state.capacity is None else topk_lengths(rows, state.capacity)
-    for key, row in zip(keys, rows, strict=True):
-        if row:  # a request that did not draft keeps its older survival
-            state.history.setdefault(key, deque(maxlen=2)).append((state.round, row))
+    _remember(state, keys, rows)
     return lengths
 
 
@@ -515,13 +541,16 @@ _dspark_async.begin_round = _plan_round
 
 def get_scheduler(name: str) -> Scheduler:
     """A scheduler by name: "none" (no drafts: plain decoding), "fixed" (every draft), "fixed-<n>",
-    "threshold" (t = 0.5) or "threshold-<t>", "dspark" (Algorithm 1), "dspark-async" (§5.2)."""
+    "threshold" (t = 0.5) or "threshold-<t>", "dspark" (Algorithm 1), "dspark-planned" (who drafts planned, then
+    Algorithm 1), "dspark-async" (§5.2)."""
     if name == "none":
         return _none
     if name == "dspark":
         return _dspark
     if name == "dspark-async":
         return _dspark_async
+    if name == "dspark-planned":
+        return _dspark_planned
     kind, _, arg = name.partition("-")
     try:
         if kind == "fixed":
@@ -537,7 +566,7 @@ def get_scheduler(name: str) -> Scheduler:
     except ValueError:
         pass
     raise DsparkError(f"unknown scheduler {name!r}; use none, fixed, fixed-<n>, threshold, threshold-<t>, "
-                      "dspark or dspark-async")
+                      "dspark, dspark-planned or dspark-async")
 
 
 # --------------------------------------------------------------------- γ, the block size

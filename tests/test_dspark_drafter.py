@@ -186,9 +186,11 @@ def test_context_cache_grows_incrementally(target):
     position = 58
     for n in (1, 3, 2, 1, 4, 5):
         drafter.commit(state, feats[position : position + n])
+        drafter.flush([state])  # every round drafts: each commit enters the cache before the next
         position += n
-    assert state.cache.length == position == 74
+    assert state.cache.length == position == 74 and state.num_pending == 0
     fresh = drafter.start(ids[0, :position], feats[:position])
+    drafter.flush([fresh])
 
     incremental = model.draft_blocks([state.cache], ids[0, position][None])
     recomputed = model.draft_blocks([fresh.cache], ids[0, position][None])
@@ -200,6 +202,53 @@ def test_context_cache_grows_incrementally(target):
                                drafter.propose(fresh, context, 5, greedy, None).tokens)
     with pytest.raises(RuntimeError, match="draft cache holds"):
         drafter.propose(state, ids[0, :position], 5, greedy, None)  # a context the cache does not match
+
+
+def test_commits_wait_until_the_request_drafts_then_enter_the_cache_with_every_drafting_request(target, monkeypatch):
+    """A commit projects nothing (a round that does not draft costs the drafter nothing); the next proposal
+    projects what every drafting request has waiting in one pass, and the caches and drafts equal those of
+    requests whose every commit entered the cache at once; MAX_PENDING bounds what waits."""
+    import dspark.drafters.dspark_drafter as module
+
+    model = make_model(target, "rnn")
+    drafter = DSparkDrafter(model)
+    torch.manual_seed(4)
+    ids = torch.randint(0, VOCAB, (3, 40))
+    feats = features(target, ids)
+    lazy = [drafter.start(ids[r, :10 + r], feats[r, :10 + r]) for r in range(3)]
+    eager = [drafter.start(ids[r, :10 + r], feats[r, :10 + r]) for r in range(3)]
+    drafter.flush(eager)
+    passes = []
+    monkeypatch.setattr(model, "project_context", lambda f, inner=model.project_context: passes.append(f.shape[1])
+                        or inner(f))
+    positions = [10, 11, 12]
+    for n in (1, 3, 2):  # three rounds of commits, no drafting
+        for r in range(3):
+            drafter.commit(lazy[r], feats[r, positions[r] : positions[r] + n])
+            drafter.commit(eager[r], feats[r, positions[r] : positions[r] + n])
+            drafter.flush([eager[r]])
+            positions[r] += n
+    eager_passes = len(passes)
+    assert [s.cache.length for s in lazy] == [0, 0, 0] and [s.num_pending for s in lazy] == positions
+    greedy = SamplingParams()
+    contexts = [ids[r, : positions[r] + 1] for r in range(3)]
+    drafts = drafter.propose_batch(lazy, contexts, [5] * 3, [greedy] * 3, [None] * 3)
+    assert len(passes) == eager_passes + 1 and passes[-1] == sum(positions)  # one projection for all three
+    assert [s.cache.length for s in lazy] == positions and [s.num_pending for s in lazy] == [0, 0, 0]
+    for r in range(3):
+        for layer in range(len(model.layers)):
+            for got, want in zip(lazy[r].cache.layer(layer), eager[r].cache.layer(layer), strict=True):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lazy[r].cache.last_context, eager[r].cache.last_context, atol=1e-5, rtol=1e-5)
+        alone = drafter.propose(eager[r], contexts[r], 5, greedy, None)
+        assert torch.equal(drafts[r].tokens, alone.tokens)
+        torch.testing.assert_close(drafts[r].confidence, alone.confidence, atol=1e-5, rtol=1e-5)
+
+    monkeypatch.setattr(module, "MAX_PENDING", 4)
+    drafter.commit(lazy[0], feats[0, positions[0] : positions[0] + 3])
+    assert lazy[0].num_pending == 3 and lazy[0].cache.length == positions[0]
+    drafter.commit(lazy[0], feats[0, positions[0] + 3 : positions[0] + 4])  # 4 waiting: it catches up alone
+    assert lazy[0].num_pending == 0 and lazy[0].cache.length == positions[0] + 4
 
 
 @pytest.mark.parametrize("head_type", HEAD_TYPES)

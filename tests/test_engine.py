@@ -364,14 +364,23 @@ class PromptConfidenceDrafter(MarkovDrafter):
         return Draft(draft.tokens, draft.q, torch.full((len(draft),), 0.99 if first == 0 else 0.001))
 
 
-def test_dspark_async_drafts_only_for_requests_it_will_verify():
-    """Two requests decoded together: the confident one drafts every round, the hopeless one only to probe, and
-    both outputs are still the target's greedy chains."""
+class FreeLookupDrafter(PromptConfidenceDrafter):
+    """As PromptConfidenceDrafter, and the hopeless request's drafts cost nothing (as a lookup hit's)."""
+
+    def drafts_for_free(self, state, context) -> bool:
+        return int(context[0]) != 0
+
+
+@pytest.mark.parametrize("scheduler", ["dspark-async", "dspark-planned"])
+@pytest.mark.parametrize("free", [False, True], ids=["model-drafts", "free-drafts"])
+def test_planning_schedulers_draft_only_for_requests_they_will_verify(scheduler, free):
+    """Two requests decoded together: the confident one drafts every round, the hopeless one only to probe
+    (unless its drafts are free: then every round), and both outputs are still the target's greedy chains."""
     target_table, _ = random_tables(8, seed=3)
-    drafter = PromptConfidenceDrafter(target_table)
+    drafter = (FreeLookupDrafter if free else PromptConfidenceDrafter)(target_table)
     steep = SPSTable(tuple(1.0 / (1.0 + 0.05 * b) for b in range(1, 40)))
     engine = Engine(SerialBackend([MarkovTarget(target_table) for _ in range(2)]), drafter, block_size=4,
-                    scheduler="dspark-async", sps=steep)
+                    scheduler=scheduler, sps=steep)
     requests = [Request(torch.tensor([first, 3]), 60, SamplingParams()) for first in (0, 1)]
     engine.run(requests)
     for request in requests:
@@ -380,7 +389,10 @@ def test_dspark_async_drafts_only_for_requests_it_will_verify():
         assert request.output_ids == reference.output_ids
     confident, hopeless = (r.stats.num_rounds for r in requests)
     assert drafter.proposals[0] >= confident - 2 and confident < 20  # the last round may have no tokens to draft
-    assert drafter.proposals[1] <= 2 + hopeless // PROBE_EVERY < hopeless // 4
+    if free:
+        assert drafter.proposals[1] >= hopeless - 1
+    else:
+        assert drafter.proposals[1] <= 2 + hopeless // PROBE_EVERY < hopeless // 4
 
 
 def test_an_idle_engine_reproduces_a_seeded_sampled_request_under_dspark_async():

@@ -56,6 +56,7 @@ def test_lookup_where_the_context_repeats_the_model_elsewhere(small_target):
     for context in (repeated, fresh):
         hidden = target.prefill(context[:-1]).hidden
         state = drafter.start(context[:-1], hidden)
+        assert drafter.drafts_for_free(state, context) == (context is repeated)  # a lookup hit runs no model
         drafts.append(drafter.propose(state, context, 4, SamplingParams(), None))
         if context is fresh:
             reference = model.propose(model.start(context[:-1], hidden), context, 4, SamplingParams(), None)

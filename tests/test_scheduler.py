@@ -368,6 +368,26 @@ def test_dspark_async_drafts_only_for_the_requests_it_planned():
         scheduler([confident], sps, state)
 
 
+def test_dspark_planned_plans_who_drafts_like_dspark_async_but_verifies_by_current_confidences():
+    """Who drafts comes from survival two rounds old (a hopeless request stops drafting, as under dspark-async),
+    but how much of the drafts is verified is Algorithm 1 on the current confidences: where dspark-async verifies
+    its old capacity's top-K of drafts that turned hopeless, dspark-planned stops at the first that does not pay."""
+    sps = table(lambda b: 1 / (0.02 + 0.0005 * b))
+    confident, hopeless = [0.99] * 4, [0.001] * 4
+    for name, verified in (("dspark-async", [4, 0]), ("dspark-planned", [0, 0])):
+        scheduler, state = get_scheduler(name), SchedulerState()
+        for _ in range(2):
+            assert scheduler.begin_round(sps, state, ["a", "b"]) == {"a", "b"}
+            state.keys = ["a", "b"]
+            assert scheduler([confident, hopeless], sps, state) == dspark_lengths([confident, hopeless], sps)
+        assert scheduler.begin_round(sps, state, ["a", "b"]) == {"a"}  # b's old survival: not worth drafting
+        state.keys = ["a", "b"]
+        assert scheduler([hopeless, []], sps, state) == verified
+        assert [number for number, _ in state.history["a"]] == [2, 3] and len(state.history["b"]) == 2
+    assert get_scheduler("dspark-planned")([confident, hopeless], sps, None) == dspark_lengths([confident, hopeless],
+                                                                                               sps)
+
+
 def test_scheduler_overhead_runs():
     assert scheduler_overhead(num_requests=4, gamma=3, repeats=3) > 0.0
 

@@ -92,6 +92,11 @@ class Drafter(ABC):
     def commit(self, state: Any, committed_hidden: torch.Tensor | None) -> None:
         """Target features (n, D) of the positions that just entered the target cache."""
 
+    def drafts_for_free(self, state: Any, context: torch.Tensor) -> bool:
+        """Whether the next proposal for this request runs no model (a context lookup): a scheduler that plans
+        who drafts then lets such a request draft whatever it planned. Decided from committed tokens only."""
+        return False
+
 
 class NoDrafter(Drafter):
     """Vanilla decoding: every round verifies zero drafts and emits one target token."""

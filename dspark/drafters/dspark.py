@@ -346,11 +346,22 @@ class DSparkModel(DraftVocabMixin, nn.Module):
 
     def extend_context(self, cache: ContextCache, features: torch.Tensor) -> None:
         """Append the K/V of n newly committed positions (features (n, F)) to one request's cache."""
-        positions = cache.length + torch.arange(features.shape[0], device=self.device)
-        context = self.project_context(features.to(self.device)[None])
-        cos, sin = self._rope(positions[None])
-        cache.append([layer.self_attn.kv(context, cos, sin) for layer in self.layers])
-        cache.last_context = context[0, -1]
+        self.extend_contexts([cache], [features])
+
+    def extend_contexts(self, caches: list[ContextCache], features: list[torch.Tensor]) -> None:
+        """Append each request's newly committed positions (features[i] (n_i, F), n_i > 0) to caches[i], all
+        requests in one projection: every step is per position, so rows of several requests stack into one
+        matrix product per weight instead of one small product per request and weight (~1 ms a request)."""
+        sizes = [int(f.shape[0]) for f in features]
+        positions = torch.cat([cache.length + torch.arange(n) for cache, n in zip(caches, sizes, strict=True)])
+        context = self.project_context(torch.cat(features).to(self.device)[None])
+        cos, sin = self._rope(positions.to(self.device)[None])
+        kvs = [layer.self_attn.kv(context, cos, sin) for layer in self.layers]
+        start = 0
+        for cache, n in zip(caches, sizes, strict=True):
+            cache.append([(k[:, :, start : start + n], v[:, :, start : start + n]) for k, v in kvs])
+            cache.last_context = context[0, start + n - 1]
+            start += n
 
     def draft_blocks(self, caches: list[ContextCache], anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden (R, γ, D) and base logits (R, γ, Vd) of the blocks after each request's anchor

@@ -13,7 +13,7 @@ distribution the token was drawn from, which it is; what truncation the draft us
 acceptance, never the output distribution.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,12 +22,20 @@ from dspark.drafters.base import Draft, Drafter
 from dspark.drafters.dspark import ContextCache, DSparkModel
 from dspark.sampling import SamplingParams, probabilities, sample
 
+#: a request's committed features wait until it next drafts (rounds it does not draft in, as under `none`,
+#: dspark-async's skipped rounds or prompt-lookup rounds, then cost the drafter nothing) and then enter its cache
+#: together with those of every other drafting request; past this many waiting positions it catches up alone
+MAX_PENDING = 512
+
 
 @dataclass
 class DSparkState:
-    """Per request: the draft-side K/V of every committed position before the anchor."""
+    """Per request: the draft-side K/V of committed positions (`cache`) and the target features of the
+    positions committed since, not yet projected into it (`pending`)."""
 
     cache: ContextCache
+    pending: list[torch.Tensor] = field(default_factory=list)
+    num_pending: int = 0
 
 
 class DSparkDrafter(Drafter):
@@ -47,8 +55,8 @@ class DSparkDrafter(Drafter):
         self.commit(state, prompt_hidden)
         return state
 
-    @torch.inference_mode()
     def commit(self, state: DSparkState, committed_hidden: torch.Tensor | None) -> None:
+        """Check the features now (a wrong target fails in the round that produced them), project them later."""
         if committed_hidden is None:
             raise ValueError(
                 "DSpark drafting needs target features: build the Target with "
@@ -60,7 +68,21 @@ class DSparkDrafter(Drafter):
                 f"{self.config.feature_size} (layers {self.target_layer_ids})"
             )
         if committed_hidden.shape[0]:
-            self.model.extend_context(state.cache, committed_hidden)
+            state.pending.append(committed_hidden)
+            state.num_pending += int(committed_hidden.shape[0])
+            if state.num_pending >= MAX_PENDING:
+                self.flush([state])
+
+    @torch.inference_mode()
+    def flush(self, states: list[DSparkState]) -> None:
+        """Project every pending feature of `states` into their caches, in one batched pass."""
+        waiting = [state for state in states if state.pending]
+        if not waiting:
+            return
+        features = [state.pending[0] if len(state.pending) == 1 else torch.cat(state.pending) for state in waiting]
+        self.model.extend_contexts([state.cache for state in waiting], features)
+        for state in waiting:
+            state.pending, state.num_pending = [], 0
 
     def propose(
         self,
@@ -87,6 +109,7 @@ class DSparkDrafter(Drafter):
         drafts = [Draft.empty(model.device) for _ in states]
         if not live:
             return drafts
+        self.flush([states[i] for i in live])
         for i in live:
             if states[i].cache.length != contexts[i].shape[0] - 1:
                 raise RuntimeError(

@@ -35,6 +35,7 @@ class LookupFirstState:
     pending_at: int = 0  # context length when it was proposed
     hits: float = PRIOR_HITS
     misses: float = PRIOR_MISSES
+    lookup: tuple[int, torch.Tensor] | None = None  # (context length, continuation found there), asked twice a round
 
     @property
     def precision(self) -> float:
@@ -72,6 +73,17 @@ class LookupFirstDrafter(Drafter):
     def commit(self, state: LookupFirstState, committed_hidden: torch.Tensor | None) -> None:
         self.model.commit(state.model_state, committed_hidden)  # the model's context grows in every round
 
+    def _lookup(self, state: LookupFirstState, context: torch.Tensor) -> torch.Tensor:
+        """The continuation of the longest repeated suffix (empty: none), found once per context length (a
+        request's context only grows, so its length names it)."""
+        if state.lookup is None or state.lookup[0] != context.shape[0]:
+            state.lookup = (int(context.shape[0]), ngram_lookup(context, int(context.shape[0]), self.max_ngram,
+                                                                self.min_ngram))
+        return state.lookup[1]
+
+    def drafts_for_free(self, state: LookupFirstState, context: torch.Tensor) -> bool:
+        return bool(len(self._lookup(state, context)))
+
     def propose(self, state, context, num_tokens, sampling: SamplingParams, generator) -> Draft:
         return self.propose_batch([state], [context], [num_tokens], [sampling], [generator])[0]
 
@@ -79,7 +91,7 @@ class LookupFirstDrafter(Drafter):
         drafts: list[Draft | None] = [None] * len(states)
         for i, (state, context, n) in enumerate(zip(states, contexts, num_tokens, strict=True)):
             state.observe(context)
-            tokens = ngram_lookup(context, n, self.max_ngram, self.min_ngram) if n > 0 else context[:0]
+            tokens = self._lookup(state, context)[:n] if n > 0 else context[:0]
             if len(tokens):
                 state.pending, state.pending_at = tokens.clone(), int(context.shape[0])
                 drafts[i] = Draft(state.pending, None, torch.full((len(tokens),), state.precision))

@@ -29,5 +29,8 @@ class NgramDrafter(Drafter):
         self.min_ngram = min_ngram
         self.max_block_size = max_block_size
 
+    def drafts_for_free(self, state, context: torch.Tensor) -> bool:
+        return True
+
     def propose(self, state, context, num_tokens, sampling: SamplingParams, generator) -> Draft:
         return Draft(ngram_lookup(context, num_tokens, self.max_ngram, self.min_ngram).clone())

@@ -91,6 +91,9 @@ class DrafterWrapper(Drafter):
     def commit(self, state: Any, committed_hidden: torch.Tensor | None) -> None:
         self.inner.commit(state, committed_hidden)
 
+    def drafts_for_free(self, state: Any, context: torch.Tensor) -> bool:
+        return self.inner.drafts_for_free(state, context)
+
 
 def _dspark_model(drafter: Drafter):
     """The DSparkModel under a (possibly wrapped) drafter, or None for other drafter families."""
