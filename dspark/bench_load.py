@@ -24,7 +24,7 @@ from dspark.factory import build_engine, step_rates
 from dspark.loading import load_target, target_dtype_name
 from dspark.profiling import draft_cost
 from dspark.ragged import RaggedBackend, Segment
-from dspark.scheduler import RoundCost, resolve_block_size
+from dspark.scheduler import RoundCost, plans_drafting, resolve_block_size
 from dspark.text import eos_token_ids, prompt_ids
 
 DEFAULT_POLICIES = ("none", "fixed-1", "fixed-3", "fixed-5", "fixed-7", "threshold", "dspark", "dspark-async")
@@ -79,7 +79,7 @@ def run_load_bench(args: argparse.Namespace) -> dict:
     sps = None  # one profile, for the largest concurrency, shared by every level
     if any(p.startswith("dspark") for p in policies):
         sps = step_rates(loaded, "dspark", block_size, args.max_concurrency)
-    if {"dspark-async", "dspark-planned"} & set(policies) and block_size > 0:  # drafting cost, once for all levels
+    if any(plans_drafting(p) for p in policies) and block_size > 0:  # drafting cost, once for all levels
         sps = RoundCost(sps.verify, draft_cost(loaded, drafter, args.max_concurrency, block_size))
 
     results: dict[str, dict[str, list]] = {p: {"throughput": [], "per_user": [], "budget": [], "tau": [],

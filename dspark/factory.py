@@ -9,7 +9,7 @@ from dspark.drafters.base import Drafter
 from dspark.engine import Engine, make_backend
 from dspark.loading import LoadedTarget
 from dspark.profiling import draft_cost, round_cost
-from dspark.scheduler import RoundCost, StepCurve, get_scheduler, resolve_block_size
+from dspark.scheduler import RoundCost, StepCurve, get_scheduler, plans_drafting, resolve_block_size
 
 
 def has_confidences(drafter: Drafter) -> bool:
@@ -58,8 +58,7 @@ def build_engine(
     chosen = scheduler if as_named else scheduler_for(scheduler, drafter, block_size)
     if sps is None:
         sps = step_rates(loaded, chosen, block_size, max_concurrency)
-    plans = chosen in ("dspark-async", "dspark-planned")
-    if plans and block_size > 0 and isinstance(sps, RoundCost) and not sps.draft_seconds:
+    if plans_drafting(chosen) and block_size > 0 and isinstance(sps, RoundCost) and not sps.draft_seconds:
         # it decides who drafts before drafting, so it weighs the drafter's (profiled) cost too
         sps = RoundCost(sps.verify, draft_cost(loaded, drafter, max_concurrency, block_size))
     backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=max_concurrency)

@@ -18,7 +18,7 @@ from dspark.engine import Engine, Request, make_backend
 from dspark.errors import DsparkError
 from dspark.loading import LoadedTarget, cache_dir, log, target_dtype_name
 from dspark.ragged import Segment, auto_packed, default_attention_dtype, supports_ragged
-from dspark.sampling import SamplingParams
+from dspark.sampling import SamplingParams, make_generator
 from dspark.scheduler import RoundCost, SPSTable, time_interleaved
 
 _COSTS: dict[Path, RoundCost] = {}
@@ -155,7 +155,7 @@ def measure_draft(loaded: LoadedTarget, drafter: Drafter, max_requests: int, blo
     # context up first (`default+ngram`) would then time its free lookup instead of its model
     sampled = SamplingParams(temperature=1.0)
     requests = [aside.add(Request(torch.randint(0, vocab, (context_tokens,), generator=generator), 1 << 20,
-                                  sampled, torch.Generator().manual_seed(i)))
+                                  sampled, make_generator(i)))
                 for i in range(max_requests)]
     while not all(r.prefilled or r.finished for r in requests):
         aside.step()

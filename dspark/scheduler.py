@@ -234,15 +234,13 @@ def piecewise_linear_times(times: Mapping[int, float], min_points: int = 4) -> l
         if len(inside) >= min_points and len([b for b in sizes if b >= knot]) >= min_points:
             knots.append(knot)
         knot *= 2
-    design = np.array([[1.0, b - first, *(max(0.0, b - k) for k in knots)] for b in sizes])
+    def basis(b: int) -> list[float]:  # intercept, slope from the first B, one hinge per knot
+        return [1.0, b - first, *(max(0.0, b - k) for k in knots)]
+
     target = np.array([float(times[b]) for b in sizes])
-    coefficients = np.linalg.lstsq(design, target, rcond=None)[0]
+    coefficients = np.linalg.lstsq(np.array([basis(b) for b in sizes]), target, rcond=None)[0]
     floor = 0.5 * float(target.min())  # a wild fit cannot make a step free or negative
-    fitted = []
-    for b in range(1, last + 1):
-        x = max(b, first)
-        fitted.append(max(floor, float(coefficients @ np.array([1.0, x - first, *(max(0.0, x - k) for k in knots)]))))
-    return fitted
+    return [max(floor, float(coefficients @ np.array(basis(max(b, first))))) for b in range(1, last + 1)]
 
 
 def _interpolate(points: Mapping[int, float]) -> list[float]:
@@ -537,6 +535,12 @@ def _dspark_async(survival: Survival, sps: StepCurve, state: SchedulerState | No
 
 
 _dspark_async.begin_round = _plan_round
+
+
+def plans_drafting(scheduler: "str | Scheduler") -> bool:
+    """Whether the scheduler (by name, or a function) decides who drafts before drafting (`begin_round`), and so
+    weighs the draft's cost."""
+    return hasattr(get_scheduler(scheduler) if isinstance(scheduler, str) else scheduler, "begin_round")
 
 
 def get_scheduler(name: str) -> Scheduler:

@@ -25,6 +25,7 @@ from dspark.scheduler import (
     fixed_lengths,
     get_scheduler,
     piecewise_linear_times,
+    plans_drafting,
     profile_sps,
     resolve_block_size,
     retrospective_lengths,
@@ -481,3 +482,9 @@ def test_drafters_without_confidences_verify_every_draft():
     assert scheduler_for("dspark", confident, 0) == "fixed"  # γ = 0: nothing to schedule
     with pytest.raises(DsparkError, match="unknown scheduler"):
         scheduler_for("sometimes", confident, 4)
+
+
+def test_the_schedulers_that_plan_drafting_are_those_with_begin_round():
+    assert plans_drafting("dspark-async") and plans_drafting("dspark-planned")
+    assert not any(plans_drafting(name) for name in ("none", "fixed-3", "threshold", "dspark"))
+    assert plans_drafting(get_scheduler("dspark-async")) and not plans_drafting(lambda survival, sps, state: [])
