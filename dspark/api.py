@@ -89,6 +89,7 @@ def stream(
     block_size: int | None = None,
     scheduler: str = "dspark",
     dtype: str | torch.dtype = "auto",
+    draft_gate: bool | None = None,
 ) -> TextStream:
     """Generate with speculative decoding, yielding text as it is committed.
 
@@ -97,16 +98,19 @@ def stream(
     cached), "fixed" (all), "fixed-<n>" or "threshold-<t>" (prefix with survival a_k >= t).
     Drafters without confidences (n-gram, EAGLE-3, MTP, draft LM) always verify every draft.
     `dtype` applies when `target` is a spec: "auto" (bf16 where the hardware runs it natively, else
-    float32), "float32", "bfloat16", "float16" or a torch dtype.
+    float32), "float32", "bfloat16", "float16" or a torch dtype. `draft_gate` (None: on for "dspark") skips
+    drafting in rounds where the engine measured plain decoding faster (`dspark.gate`); with a `seed`, sampled
+    output follows the scheduler alone and repeats exactly.
     """
     sampling = SamplingParams(temperature, top_k, top_p)
     _validate(max_new_tokens, block_size)
     validate_prompt(prompt)
     get_scheduler(scheduler)
     loaded, drafter = resolve(target, drafter, dtype)
-    engine = build_engine(loaded, drafter, scheduler=scheduler, block_size=block_size)
+    engine = build_engine(loaded, drafter, scheduler=scheduler, block_size=block_size, draft_gate=draft_gate)
     ids = prompt_ids(loaded, prompt, chat)
-    request = Request(ids, max_new_tokens, sampling, make_generator(seed), eos_token_ids(loaded))
+    request = Request(ids, max_new_tokens, sampling, make_generator(seed), eos_token_ids(loaded),
+                      reproducible=seed is not None and not sampling.greedy)
     handle = TextStream(iter(()))
     handle._deltas = _run(handle, loaded, engine, request, stop or [])
     return handle

@@ -19,8 +19,10 @@ import torch
 
 from dspark.drafters import load_drafter
 from dspark.engine import Request
+from dspark.errors import DsparkError
 from dspark.eval.datasets import load_prompts
-from dspark.factory import build_engine, step_rates
+from dspark.factory import build_engine, resolve_gate, step_rates
+from dspark.gate import DraftGate
 from dspark.loading import load_target, target_dtype_name
 from dspark.profiling import draft_cost
 from dspark.ragged import RaggedBackend, Segment
@@ -38,11 +40,28 @@ def concurrency_levels(max_concurrency: int) -> list[int]:
     return [*levels, max_concurrency]
 
 
+def split_policy(policy: str) -> tuple[str, bool | None]:
+    """("dspark", False) for "dspark:no-gate": the scheduler's name and whether it runs with the draft gate
+    (None: its default)."""
+    name, _, gate = policy.partition(":")
+    if gate not in ("", "gate", "no-gate"):
+        raise DsparkError(f"unknown policy suffix {gate!r} in {policy!r} (use NAME, NAME:gate or NAME:no-gate)")
+    return name, None if not gate else gate == "gate"
+
+
+def policy_gate(policy: str, block_size: int) -> DraftGate | None:
+    """The draft gate one policy keeps for the whole benchmark: its measurements carry from pass to pass and
+    level to level (by number of requests), as a server's do from request to request."""
+    name, gate = split_policy(policy)
+    return resolve_gate(gate, name, block_size)
+
+
 def run_level(loaded, drafter, prompts: list[torch.Tensor], policy: str, concurrency: int, max_new_tokens: int,
-              block_size: int, sps) -> dict:
+              block_size: int, sps, gate: DraftGate | None = None) -> dict:
     """Serve every prompt with `policy` at `concurrency`; aggregate and per-user speed."""
-    engine = build_engine(loaded, drafter, scheduler=policy, block_size=block_size, max_concurrency=concurrency,
-                          sps=sps, as_named=True)
+    engine = build_engine(loaded, drafter, scheduler=split_policy(policy)[0], block_size=block_size,
+                          max_concurrency=concurrency, sps=sps, as_named=True,
+                          draft_gate=False if gate is None else gate)
     eos = eos_token_ids(loaded)
     requests = [Request(ids, max_new_tokens, eos_token_ids=eos) for ids in prompts]
     start = time.perf_counter()
@@ -76,14 +95,16 @@ def run_load_bench(args: argparse.Namespace) -> dict:
     prompts = [prompt_ids(loaded, text) for text in texts[: args.num_requests]]
     policies = args.policy or list(DEFAULT_POLICIES)
     levels = concurrency_levels(args.max_concurrency)
+    names = [split_policy(p)[0] for p in policies]
     sps = None  # one profile, for the largest concurrency, shared by every level
-    if any(p.startswith("dspark") for p in policies):
+    if any(name.startswith("dspark") for name in names):
         sps = step_rates(loaded, "dspark", block_size, args.max_concurrency)
-    if any(plans_drafting(p) for p in policies) and block_size > 0:  # drafting cost, once for all levels
+    if any(plans_drafting(name) for name in names) and block_size > 0:  # drafting cost, once for all levels
         sps = RoundCost(sps.verify, draft_cost(loaded, drafter, args.max_concurrency, block_size))
 
     results: dict[str, dict[str, list]] = {p: {"throughput": [], "per_user": [], "budget": [], "tau": [],
                                                "scheduler_share": [], "identical_to_none": []} for p in policies}
+    gates = {p: policy_gate(p, block_size) for p in policies}
     run_level(loaded, drafter, prompts[:1], policies[0], 1, 4, block_size, sps)  # warm-up
     for index, level in enumerate(levels):
         passes: dict[str, list[dict]] = {p: [] for p in policies}
@@ -91,7 +112,7 @@ def run_load_bench(args: argparse.Namespace) -> dict:
             shift = (index + repeat) % len(policies)
             for policy in policies[shift:] + policies[:shift]:
                 passes[policy].append(run_level(loaded, drafter, prompts, policy, level, args.max_new_tokens,
-                                                block_size, sps))
+                                                block_size, sps, gates[policy]))
         measured = {policy: _median_pass(rows) for policy, rows in passes.items()}
         reference = measured.get("none", measured[policies[0]])["outputs"]
         for policy in policies:
@@ -129,6 +150,7 @@ def run_load_bench(args: argparse.Namespace) -> dict:
                 for i in range(len(levels))]
             for p in policies if p.startswith("dspark")
         }
+    report["draft_gate"] = {p: gate.summary() for p, gate in gates.items() if gate is not None}
     if args.plot_dir:
         report["plots"] = plot_load(report, Path(args.plot_dir))
     _print_load_table(report)

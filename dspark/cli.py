@@ -6,7 +6,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from dspark.cli_args import add_dtype_arg
+from dspark.cli_args import add_draft_gate_arg, add_dtype_arg
 from dspark.drafters import DEFAULT_DRAFTER
 from dspark.errors import DsparkError
 
@@ -45,6 +45,7 @@ def add_generate_parser(subparsers) -> None:
     parser.add_argument("--scheduler", default="dspark",
                         help="drafts verified per round, for drafters with confidences: dspark (Algorithm 1, "
                              "default) | fixed | fixed-<n> | threshold-<t>")
+    add_draft_gate_arg(parser)
     parser.set_defaults(handler=run_generate)
 
 
@@ -55,7 +56,7 @@ def run_generate(args: argparse.Namespace) -> None:
         args.prompt, target=args.target, drafter=args.drafter, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         chat=not args.no_chat, stop=args.stop, block_size=args.block_size, scheduler=args.scheduler,
-        dtype=args.dtype,
+        dtype=args.dtype, draft_gate=args.draft_gate,
     )
     for delta in handle:
         if args.stream:
@@ -127,7 +128,8 @@ def add_bench_parser(subparsers) -> None:
                            "median of the passes (default 1)")
     load.add_argument("--policy", action="append", default=None,
                       help="scheduling policies to compare (repeatable; default: none, fixed-1/3/5/7, threshold, "
-                           "dspark, dspark-async; dspark-planned on request)")
+                           "dspark, dspark-async; dspark-planned on request); NAME:gate / NAME:no-gate runs a policy "
+                           "with or without the draft gate (default: on for dspark*), e.g. dspark:no-gate")
     load.add_argument("--plot-dir", default=None, help="write load_frontier.png and load_budget.png here")
     load.add_argument("--json", action="store_true", help="(the JSON line is always printed last)")
     add_dtype_arg(load)
@@ -173,12 +175,12 @@ def run_bench_draft(args: argparse.Namespace) -> None:
 
 
 def run_bench_load(args: argparse.Namespace) -> None:
-    from dspark.bench_load import run_load_bench
+    from dspark.bench_load import run_load_bench, split_policy
     from dspark.eval.datasets import default_dataset
     from dspark.scheduler import get_scheduler
 
     for policy in args.policy or []:
-        get_scheduler(policy)
+        get_scheduler(split_policy(policy)[0])
     args.dataset = args.dataset or [str(default_dataset("mt-bench"))]
     run_load_bench(args)
 
@@ -274,6 +276,7 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--prefill-chunk", type=_positive_int, default=512,
                         help="most prompt tokens prefilled per round, next to decoding requests")
     parser.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    add_draft_gate_arg(parser)
     parser.add_argument("--allowed-host", action="append", default=[], dest="allowed_hosts",
                         help="serve only this Host header (repeatable; '*.example.com' for subdomains)")
     from dspark.server.limits import add_limit_args
@@ -295,7 +298,8 @@ def run_serve(args: argparse.Namespace) -> None:
     app = build_server(args.target, args.drafter, scheduler=args.scheduler, max_concurrency=args.max_concurrency,
                        max_queue=args.max_queue, block_size=args.block_size, api_key=args.api_key,
                        served_model_name=args.served_model_name, prefill_chunk=args.prefill_chunk, limits=limits,
-                       public_metrics=args.public_metrics, allowed_hosts=tuple(args.allowed_hosts), dtype=args.dtype)
+                       public_metrics=args.public_metrics, allowed_hosts=tuple(args.allowed_hosts), dtype=args.dtype,
+                       draft_gate=args.draft_gate)
     draining_server(app, args.host, args.port, limits.drain_timeout_s).run()
     print("[dspark] server drained and stopped", file=sys.stderr)
 

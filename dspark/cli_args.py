@@ -11,3 +11,10 @@ def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                         help="target dtype (default auto: bfloat16 on CPUs with native bf16 (AVX512-BF16/AMX) and on "
                              "CUDA GPUs that support it, else float32)")
+
+
+def add_draft_gate_arg(parser: argparse.ArgumentParser) -> None:
+    """`--draft-gate / --no-draft-gate` for every command that runs the engine with a dspark scheduler."""
+    parser.add_argument("--draft-gate", action=argparse.BooleanOptionalAction, default=None,
+                        help="skip drafting in rounds where the engine measured plain decoding faster (default: on "
+                             "for the dspark schedulers; seeded sampled requests always follow the scheduler)")

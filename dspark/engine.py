@@ -19,6 +19,7 @@ import torch
 
 from dspark.drafters.base import Draft, Drafter
 from dspark.errors import DsparkError
+from dspark.gate import DraftGate
 from dspark.ragged import RaggedBackend, Segment, SlotCache, supports_ragged
 from dspark.sampling import SamplingParams, next_token
 from dspark.scheduler import (
@@ -86,6 +87,9 @@ class Request:
     generator: torch.Generator | None = None
     eos_token_ids: frozenset[int] = frozenset()
     block_size: int | None = None
+    #: a seeded sampled request: the draft gate (timing-driven) leaves its drafting to the scheduler, so the same
+    #: seed draws the same tokens whatever the machine's speed (greedy output never depends on drafting)
+    reproducible: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     output_ids: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -114,7 +118,8 @@ class Engine:
     drafts' survival a_k (all ones for drafters without confidences) and `sps`, the target's step
     rate SPS(B) (one curve, or a `RoundCost` with a curve per number of requests and the drafting cost),
     never the target's answer, so verification stays lossless. `block_size` is γ as given;
-    `dspark.factory.build_engine` resolves it against the drafter first.
+    `dspark.factory.build_engine` resolves it against the drafter first. `gate`: a `DraftGate` that skips
+    drafting in rounds where the engine measured plain decoding faster (None: every round drafts).
     """
 
     def __init__(
@@ -128,6 +133,7 @@ class Engine:
         max_concurrency: int | None = None,
         prefill_chunk: int = 512,
         max_context: int | None = None,
+        gate: DraftGate | None = None,
     ) -> None:
         self.schedule: Scheduler | None = None if isinstance(scheduler, str) else scheduler
         if isinstance(scheduler, str):
@@ -152,6 +158,8 @@ class Engine:
         self.running: list[Request] = []
         self.scheduler_state = SchedulerState()
         self.stats = EngineStats()
+        self.gate = gate
+        self._gate_open = True  # this round's decision
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -203,8 +211,11 @@ class Engine:
                 for (r, _), d in zip(kept, drafts, strict=True)]
         work += [_Work(r, Segment(r.slot, chunk, "last" if last else "none"), last=last)
                  for r, chunk, last in self._prefill_chunks([r for r in self.running if not r.prefilled])]
+        decoding_only = all(item.draft is not None for item in work)
         events, rounds = self._commit_all(self._forward(work))
         end = time.perf_counter()
+        if self.gate is not None and prefilled and decoding_only:
+            self.gate.record(len(prefilled), self._gate_open, sum(len(t) for _, t in events), end - start)
 
         self._account([r for r, _ in rounds], [d for _, d in rounds], start, drafted, scheduled, end)
         self.stats.num_drafted += sum(len(d) for d in proposed)
@@ -248,6 +259,10 @@ class Engine:
         if requests and begin_round is not None:
             drafting = begin_round(self.cost, self.scheduler_state, [r.request_id for r in requests])
             num_tokens = [n if r.request_id in drafting or self._drafts_for_free(r) else 0
+                          for r, n in zip(requests, num_tokens, strict=True)]
+        self._gate_open = self.gate is None or not requests or self.gate.should_draft(len(requests))
+        if not self._gate_open:  # plain decoding measured faster: only free and reproducible drafts
+            num_tokens = [n if r.reproducible or self._drafts_for_free(r) else 0
                           for r, n in zip(requests, num_tokens, strict=True)]
         active = [i for i, n in enumerate(num_tokens) if n > 0]
         drafts = [Draft.empty() for _ in requests]

@@ -7,6 +7,7 @@ SPS profile it needs and the backend cannot drift apart between entry points.
 
 from dspark.drafters.base import Drafter
 from dspark.engine import Engine, make_backend
+from dspark.gate import DraftGate
 from dspark.loading import LoadedTarget
 from dspark.profiling import draft_cost, round_cost
 from dspark.scheduler import RoundCost, StepCurve, get_scheduler, plans_drafting, resolve_block_size
@@ -46,13 +47,17 @@ def build_engine(
     max_context: int | None = None,
     sps: StepCurve | RoundCost | None = None,
     as_named: bool = False,
+    draft_gate: "bool | DraftGate | None" = None,
 ) -> Engine:
     """An engine with `max_concurrency` slots on `loaded`'s model, drafting with `drafter`.
 
     `block_size`: γ asked for (None: the drafter's own); `sps`: step rates already measured (a `RoundCost`
     or one curve; else profiled when the scheduler needs one). `as_named` runs `scheduler` even on a drafter
     without confidences, where Algorithm 1 then cuts by SPS(B) alone: the load benchmark compares
-    policies by name, everything else lets such a drafter verify every draft.
+    policies by name, everything else lets such a drafter verify every draft. `draft_gate`: skip drafting in
+    rounds where plain decoding measured faster (`dspark.gate`); None: on for the dspark schedulers (they decide
+    per round anyway), off for fixed, threshold and none, whose rounds draw what their name says. Pass one
+    `DraftGate` to several engines to share what it measured.
     """
     block_size = resolve_block_size(block_size, drafter_limit=drafter.max_block_size, scheduler=scheduler)
     chosen = scheduler if as_named else scheduler_for(scheduler, drafter, block_size)
@@ -63,4 +68,14 @@ def build_engine(
         sps = RoundCost(sps.verify, draft_cost(loaded, drafter, max_concurrency, block_size))
     backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=max_concurrency)
     return Engine(backend, drafter, block_size=block_size, scheduler=chosen, sps=sps, max_concurrency=max_concurrency,
-                  prefill_chunk=prefill_chunk, max_context=max_context)
+                  prefill_chunk=prefill_chunk, max_context=max_context,
+                  gate=resolve_gate(draft_gate, chosen, block_size))
+
+
+def resolve_gate(draft_gate: "bool | DraftGate | None", scheduler: str, block_size: int) -> "DraftGate | None":
+    """The engine's draft gate: as given, a new one (True), none (False), or by scheduler (None)."""
+    if isinstance(draft_gate, DraftGate):
+        return draft_gate
+    if draft_gate is None:
+        draft_gate = isinstance(scheduler, str) and scheduler.startswith("dspark")
+    return DraftGate() if draft_gate and block_size > 0 else None

@@ -15,7 +15,7 @@ def run_cli(capsys, *argv) -> dict:
 
 def test_bench_load_sweeps_policies_and_concurrency(tiny_on_disk, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
-    policies = ["none", "fixed-3", "dspark", "dspark-async"]
+    policies = ["none", "fixed-3", "dspark", "dspark-async", "dspark:no-gate"]
     report = run_cli(capsys, "bench", "load", "--target", tiny_on_disk / "target", "--drafter",
                      tiny_on_disk / "drafter", "--dataset", tiny_on_disk / "gsm8k.jsonl", "--max-concurrency", 3,
                      "--num-requests", 3, "--max-new-tokens", 6, "--plot-dir", tmp_path / "plots", "--repeats", 2,
@@ -28,7 +28,11 @@ def test_bench_load_sweeps_policies_and_concurrency(tiny_on_disk, tmp_path, monk
     assert report["policies"]["none"]["budget"] == [0.0, 0.0, 0.0]
     assert all(0 < b <= 3 for b in report["policies"]["fixed-3"]["budget"])
     assert len(report["dspark_vs_best_fixed"]) == 3
-    for policy in ("dspark", "dspark-async"):  # against the best of none and fixed-3 at each level
+    assert set(report["draft_gate"]) == {"dspark", "dspark-async"}  # one gate each, kept over passes and levels
+    measured = report["draft_gate"]["dspark"]
+    assert {int(r) for r in measured} <= {1, 2, 3}
+    assert sum(m["draft_rounds"] + m["plain_rounds"] for m in measured.values()) > 0
+    for policy in ("dspark", "dspark-async", "dspark:no-gate"):  # against the best of none and fixed-3
         best = [max(report["policies"][b]["throughput"][i] for b in ("none", "fixed-3")) for i in range(3)]
         expected = [t / b for t, b in zip(report["policies"][policy]["throughput"], best, strict=True)]
         assert report["vs_best_static"][policy] == pytest.approx(expected, abs=1e-3)
@@ -38,6 +42,8 @@ def test_bench_load_sweeps_policies_and_concurrency(tiny_on_disk, tmp_path, monk
 def test_bench_load_rejects_unknown_policy(tiny_on_disk, capsys):
     assert main(["bench", "load", "--target", str(tiny_on_disk / "target"), "--policy", "sometimes"]) == 2
     assert "unknown scheduler" in capsys.readouterr().err
+    assert main(["bench", "load", "--target", str(tiny_on_disk / "target"), "--policy", "dspark:maybe"]) == 2
+    assert "unknown policy suffix" in capsys.readouterr().err
 
 
 def test_bench_ragged_compares_attention_layouts(tiny_on_disk, capsys):

@@ -153,3 +153,12 @@ def test_training_auto_dtypes_follow_the_cpu(monkeypatch, cpuinfo, autocast):
         TrainConfig(data="c.safetensors", target_dtype="int4")
     with pytest.raises(DsparkError, match="autocast must be none, auto"):
         TrainConfig(data="c.safetensors", autocast="fp8")
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"]], ids=" ".join)
+def test_engine_commands_take_the_draft_gate_switch(command):
+    """Default None (on for the dspark schedulers), off with --no-draft-gate, forced on with --draft-gate."""
+    parser = build_parser()
+    assert parser.parse_args(command).draft_gate is None
+    assert parser.parse_args([*command, "--no-draft-gate"]).draft_gate is False
+    assert parser.parse_args([*command, "--draft-gate"]).draft_gate is True

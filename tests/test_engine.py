@@ -15,6 +15,7 @@ from dspark.drafters.dspark_drafter import DSparkDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine, Request, make_backend
 from dspark.errors import DsparkError
+from dspark.gate import DraftGate
 from dspark.ragged import (
     RaggedBackend,
     Segment,
@@ -393,6 +394,68 @@ def test_planning_schedulers_draft_only_for_requests_they_will_verify(scheduler,
         assert drafter.proposals[1] >= hopeless - 1
     else:
         assert drafter.proposals[1] <= 2 + hopeless // PROBE_EVERY < hopeless // 4
+
+
+def closed_gate() -> DraftGate:
+    """A gate that measured plain rounds 100x faster than drafting ones (and explores only after 1000 rounds)."""
+    gate = DraftGate(min_rounds=2, explore_every=1000)
+    for drafted, seconds in ((True, 1.0), (True, 1.0), (False, 0.01), (False, 0.01)):
+        gate.record(1, drafted, 1, seconds)
+    return gate
+
+
+@pytest.mark.parametrize("case", ["greedy", "seeded", "free"])
+def test_a_closed_draft_gate_skips_drafting_except_free_and_seeded_drafts(case):
+    """Where plain decoding measured faster the gate stops drafting (the output is still the target's greedy
+    chain, and every decode round is measured, the prefill round not); a seeded sampled request still drafts
+    as its scheduler says (the same seed draws the same tokens whatever the timings), as do free drafts."""
+    target_table, draft_table = random_tables(8, seed=3)
+    drafter = FreeLookupDrafter(target_table) if case == "free" else CountingDrafter(target_table, 0.99)
+    gate = closed_gate()
+    engine = Engine(SerialBackend([MarkovTarget(target_table)]), drafter, block_size=4, scheduler="dspark",
+                    sps=SPSTable(tuple(1.0 / (1.0 + 0.05 * b) for b in range(1, 40))), gate=gate)
+    seeded = case == "seeded"
+    params = SamplingParams(temperature=1.0) if seeded else SamplingParams()
+    request = Request(torch.tensor([1, 3]), 30, params, make_generator(5) if seeded else None, reproducible=seeded)
+    engine.run([request])
+    proposals = drafter.proposals if case != "free" else sum(drafter.proposals.values())
+    if case == "greedy":
+        assert proposals == 0 and sum(request.stats.drafted_per_round) == 0
+        reference = Request(torch.tensor([1, 3]), 30, SamplingParams())
+        Engine(SerialBackend([MarkovTarget(target_table)]), NoDrafter(), block_size=4).run([reference])
+        assert request.output_ids == reference.output_ids
+        assert gate.summary()[1]["plain_rounds"] == 2 + 29  # 30 tokens: the prefill's, then one per round
+    else:
+        assert proposals >= request.stats.num_rounds - 1 > 0
+
+
+class AlternatingGate:
+    """Drafts every other round, whatever the timings: decisions that read no draft."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    def should_draft(self, num_requests: int) -> bool:
+        self.rounds += 1
+        return self.rounds % 2 == 0
+
+    def record(self, num_requests: int, drafted: bool, tokens: int, seconds: float) -> None:
+        pass
+
+
+def test_gated_sampling_is_lossless():
+    """Rounds that skip drafting (gate closed) between rounds that draft keep the target's distribution."""
+    target_table, draft_table = random_tables(8, seed=3)
+    params = SamplingParams(temperature=1.0)
+    backend = SerialBackend([MarkovTarget(target_table) for _ in range(4)])
+    engine = Engine(backend, ConfidentMarkovDrafter(draft_table), block_size=4, scheduler="dspark",
+                    sps=SPSTable(tuple(1.0 / (1.0 + 0.12 * b) for b in range(1, 40))), gate=AlternatingGate())
+    requests = [Request(torch.tensor([0]), 4, params, make_generator(i)) for i in range(3000)]
+    engine.run(requests)
+    outputs = torch.tensor([r.output_ids for r in requests])
+    assert 0 < engine.stats.num_verified < 3 * 3000
+    marginals = exact_marginals(target_table, 0, params, 4)
+    assert min(chi_square_pvalue(outputs[:, j], marginals[j]) for j in range(4)) > ALPHA
 
 
 def test_an_idle_engine_reproduces_a_seeded_sampled_request_under_dspark_async():

@@ -125,7 +125,9 @@ def create_app(loaded: LoadedTarget, service: EngineService, config: ServerConfi
         prompt_length = int(ids.shape[0])
         max_tokens = completion_max_tokens(prompt_length, requested, limits, config.context_window, prompt_param)
         seed = None if body.seed is None else body.seed % (1 << 63)
-        request = EngineRequest(ids, max_tokens, body.sampling_params(), make_generator(seed), eos)
+        sampling = body.sampling_params()
+        request = EngineRequest(ids, max_tokens, sampling, make_generator(seed), eos,
+                                reproducible=seed is not None and not sampling.greedy)
         submission = _submit(service, request, limits.request_timeout_s)
         reply = Reply(kind, config.model_name, prompt_length)
         text = TextAccumulator(loaded.tokenizer, body.stop_strings())
@@ -385,7 +387,7 @@ def build_server(target: TargetSpec = "default", drafter: str = DEFAULT_DRAFTER,
                  max_concurrency: int = 8, max_queue: int = 64, block_size: int | None = None,
                  api_key: str | None = None, served_model_name: str | None = None,
                  prefill_chunk: int = 512, limits: ServerLimits | None = None, public_metrics: bool = False,
-                 allowed_hosts: tuple[str, ...] = (), dtype: str = "auto") -> FastAPI:
+                 allowed_hosts: tuple[str, ...] = (), dtype: str = "auto", draft_gate: bool | None = None) -> FastAPI:
     """Load the target (in `dtype`, a `--dtype` name) and drafter, profile if the scheduler needs it, and build
     the app."""
     from dspark.api import resolve
@@ -395,7 +397,8 @@ def build_server(target: TargetSpec = "default", drafter: str = DEFAULT_DRAFTER,
         raise DsparkError(f"target {loaded.name} has no tokenizer; the server needs one")
     window = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
     engine = build_engine(loaded, drafter_model, scheduler=scheduler, block_size=block_size,
-                          max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=window)
+                          max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=window,
+                          draft_gate=draft_gate)
     config = ServerConfig(served_model_name or loaded.name, api_key, window, limits or ServerLimits(),
                           public_metrics, tuple(allowed_hosts))
     return create_app(loaded, EngineService(engine, max_queue), config)

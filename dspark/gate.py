@@ -1,0 +1,86 @@
+"""The draft gate: whether drafting pays this round, judged from the engine's own rounds.
+
+Algorithm 1 decides how many of the drafts to verify once they exist, so a request always pays for its draft;
+under load, where a verified token costs almost nothing but a draft does not, that loses to plain decoding
+(session 14: dspark 0.88x of no speculation at 8 requests on chat). The profiled prices that dspark-planned and
+dspark-async weigh drafts with miss what a round really spends (commit projections, scheduling, the verify
+tail), so the gate measures instead: for every number of running requests R, the tokens per second of the
+rounds that drafted and of the rounds that did not, as moving averages, and drafts in the next round with R
+requests when drafting measured faster. The other mode is retried every `explore_every` rounds, so a change
+(longer contexts, another domain, a busier machine) is seen. Skipping a draft is lossless: the decision reads no
+draft, only past round times. Rounds that carry prompt chunks are not recorded (a prefill dwarfs the decode).
+"""
+
+from dataclasses import dataclass, field
+
+from dspark.errors import DsparkError
+
+
+@dataclass
+class _Rate:
+    """Moving averages of the tokens and seconds of one mode's rounds (their ratio is its throughput)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: int = 0
+
+    def add(self, tokens: float, seconds: float, keep: float) -> None:
+        weight = keep if self.rounds else 0.0
+        self.tokens = weight * self.tokens + (1 - weight) * tokens
+        self.seconds = weight * self.seconds + (1 - weight) * seconds
+        self.rounds += 1
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class DraftGate:
+    """Per number of running requests: draft or not, whichever measured more tokens per second.
+
+    `min_rounds`: rounds of each mode measured before the gate chooses (drafting first, the scheduler's own
+    behaviour); `explore_every`: the losing mode is run once after this many rounds of the winner; `keep`: the
+    weight of the past in the moving averages (0.8: about the last 5 rounds of a mode count)."""
+
+    min_rounds: int = 2
+    explore_every: int = 16
+    keep: float = 0.8
+    rates: dict[int, dict[bool, _Rate]] = field(default_factory=dict)
+    since_other: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.min_rounds < 1 or self.explore_every < 1:
+            raise DsparkError("the draft gate needs min_rounds >= 1 and explore_every >= 1")
+        if not 0.0 <= self.keep < 1.0:
+            raise DsparkError(f"the draft gate's keep must be in [0, 1), got {self.keep}")
+
+    def _rates(self, num_requests: int) -> dict[bool, _Rate]:
+        return self.rates.setdefault(num_requests, {True: _Rate(), False: _Rate()})
+
+    def should_draft(self, num_requests: int) -> bool:
+        """Whether the next round with `num_requests` running requests drafts."""
+        rates = self._rates(num_requests)
+        for mode in (True, False):  # measure drafting first, then plain decoding
+            if rates[mode].rounds < self.min_rounds:
+                return mode
+        best = rates[True].throughput >= rates[False].throughput
+        if self.since_other.get(num_requests, 0) >= self.explore_every:
+            return not best
+        return best
+
+    def record(self, num_requests: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """One decode round: whether it drafted, the tokens it committed, its wall time."""
+        if seconds <= 0:
+            return
+        rates = self._rates(num_requests)
+        chosen = all(rate.rounds >= self.min_rounds for rate in rates.values())  # not a measuring round
+        best = rates[True].throughput >= rates[False].throughput
+        rates[drafted].add(tokens, seconds, self.keep)
+        self.since_other[num_requests] = self.since_other.get(num_requests, 0) + 1 if chosen and drafted == best else 0
+
+    def summary(self) -> dict[int, dict[str, float]]:
+        """Measured tokens/s by number of requests, drafting and not (for logs and benchmark reports)."""
+        return {r: {"draft": round(m[True].throughput, 2), "plain": round(m[False].throughput, 2),
+                    "draft_rounds": m[True].rounds, "plain_rounds": m[False].rounds}
+                for r, m in sorted(self.rates.items())}

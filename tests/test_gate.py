@@ -1,0 +1,72 @@
+"""The draft gate: measured tokens/s of drafting and plain rounds decide whether the next round drafts."""
+
+import pytest
+
+from dspark.errors import DsparkError
+from dspark.factory import resolve_gate
+from dspark.gate import DraftGate
+
+PLAIN = (8, 0.05)  # tokens, seconds of one round: 160 tokens/s
+DRAFT = (9, 0.07)  # ~129 tokens/s
+
+
+def play(gate: DraftGate, rounds: int, costs: dict[bool, tuple[int, float]], num_requests: int = 8) -> list[bool]:
+    choices = []
+    for _ in range(rounds):
+        drafted = gate.should_draft(num_requests)
+        choices.append(drafted)
+        gate.record(num_requests, drafted, *costs[drafted])
+    return choices
+
+
+def test_measures_drafting_then_plain_then_keeps_the_faster_and_retries_the_other():
+    gate = DraftGate(min_rounds=2, explore_every=4)
+    choices = play(gate, 30, {True: DRAFT, False: PLAIN})
+    assert choices[:4] == [True, True, False, False]
+    assert choices[4:] == ([False] * 4 + [True]) * 5 + [False]
+    summary = gate.summary()[8]
+    assert summary["plain"] == pytest.approx(160.0) and summary["draft"] == pytest.approx(9 / 0.07, abs=0.01)
+    assert summary["draft_rounds"] + summary["plain_rounds"] == 30
+
+
+def test_keeps_drafting_where_drafting_is_faster():
+    choices = play(DraftGate(min_rounds=1, explore_every=8), 28, {True: (20, 0.07), False: PLAIN})
+    assert choices[:2] == [True, False]
+    assert choices[2:] == ([True] * 8 + [False]) * 2 + [True] * 8
+
+
+def test_switches_when_drafting_starts_to_pay():
+    gate = DraftGate(min_rounds=2, explore_every=4)
+    play(gate, 20, {True: DRAFT, False: PLAIN})
+    assert not gate.should_draft(8)
+    choices = play(gate, 12, {True: (30, 0.07), False: PLAIN})  # e.g. the text turned repetitive
+    first = choices.index(True)
+    assert first <= 4 and all(choices[first:first + 4])
+
+
+def test_each_number_of_requests_is_judged_on_its_own():
+    gate = DraftGate(min_rounds=1, explore_every=100)
+    play(gate, 6, {True: DRAFT, False: PLAIN}, num_requests=8)
+    play(gate, 6, {True: (3, 0.03), False: (1, 0.025)}, num_requests=1)
+    assert not gate.should_draft(8) and gate.should_draft(1)
+    assert gate.should_draft(4)  # never seen: drafts first, as the scheduler would
+
+
+def test_ignores_rounds_without_time_and_rejects_bad_settings():
+    gate = DraftGate()
+    gate.record(2, True, 3, 0.0)
+    assert gate.summary().get(2, {}).get("draft_rounds", 0) == 0
+    for bad in ({"min_rounds": 0}, {"explore_every": 0}, {"keep": 1.0}, {"keep": -0.1}):
+        with pytest.raises(DsparkError):
+            DraftGate(**bad)
+
+
+def test_engines_get_a_gate_for_the_dspark_schedulers_only():
+    shared = DraftGate()
+    assert isinstance(resolve_gate(None, "dspark", 7), DraftGate)
+    assert isinstance(resolve_gate(None, "dspark-async", 7), DraftGate)
+    assert resolve_gate(None, "fixed", 7) is None and resolve_gate(None, "none", 7) is None
+    assert resolve_gate(None, "dspark", 0) is None  # nothing to draft
+    assert resolve_gate(False, "dspark", 7) is None
+    assert isinstance(resolve_gate(True, "fixed-3", 7), DraftGate)
+    assert resolve_gate(shared, "dspark", 7) is shared
