@@ -40,8 +40,10 @@ class DraftGate:
     """Per number of running requests: draft or not, whichever measured more tokens per second.
 
     `min_rounds`: rounds of each mode measured before the gate chooses (drafting first, the scheduler's own
-    behaviour); `explore_every`: the losing mode is run once after this many rounds of the winner; `keep`: the
-    weight of the past in the moving averages (0.8: about the last 5 rounds of a mode count)."""
+    behaviour); `explore_every`: the losing mode is run once after this many rounds of the winner while the two
+    are within 10%, once per `explore_every` more for every further 10% between them (at most 4x as rarely: a
+    clear loser is unlikely to overtake soon, and each retry costs its gap); `keep`: the weight of the past in
+    the moving averages (0.8: about the last 5 rounds of a mode count)."""
 
     min_rounds: int = 2
     explore_every: int = 16
@@ -64,8 +66,10 @@ class DraftGate:
         for mode in (True, False):  # measure drafting first, then plain decoding
             if rates[mode].rounds < self.min_rounds:
                 return mode
-        best = rates[True].throughput >= rates[False].throughput
-        if self.since_other.get(num_requests, 0) >= self.explore_every:
+        draft, plain = rates[True].throughput, rates[False].throughput
+        best = draft >= plain
+        gap = max(draft, plain) / max(min(draft, plain), 1e-9) - 1.0
+        if self.since_other.get(num_requests, 0) >= self.explore_every * min(4, 1 + int(gap / 0.1)):
             return not best
         return best
 
