@@ -15,7 +15,8 @@ from dspark.drafters import load_drafter
 from dspark.engine import Request
 from dspark.errors import DsparkError
 from dspark.eval.datasets import load_prompts
-from dspark.factory import build_engine, has_confidences
+from dspark.factory import build_engine, has_confidences, resolve_gate
+from dspark.gate import DraftGate
 from dspark.loading import LoadedTarget, TargetSpec, load_target, target_dtype_name
 from dspark.sampling import SamplingParams
 from dspark.stats import GenerationStats
@@ -71,9 +72,10 @@ def hf_generate(loaded: LoadedTarget, ids: torch.Tensor, max_new_tokens: int, **
 
 
 def ours(loaded: LoadedTarget, drafter, ids: torch.Tensor, max_new_tokens: int, block_size: int | None,
-         scheduler: str = "fixed") -> tuple[list[int], GenerationStats]:
-    """One greedy generation of ours (the engine at concurrency 1): its tokens and stats."""
-    engine = build_engine(loaded, drafter, scheduler=scheduler, block_size=block_size)
+         scheduler: str = "fixed", gate: DraftGate | None = None) -> tuple[list[int], GenerationStats]:
+    """One greedy generation of ours (the engine at concurrency 1): its tokens and stats. `gate`: the draft gate
+    the method keeps from prompt to prompt, as one process serving them would (None: the scheduler's default)."""
+    engine = build_engine(loaded, drafter, scheduler=scheduler, block_size=block_size, draft_gate=gate)
     request = Request(ids, max_new_tokens, SamplingParams(), None, eos_token_ids(loaded))
     tokens = [token for chunk in engine.stream(request) for token in chunk]
     return tokens, request.stats
@@ -140,8 +142,9 @@ def _run_speed_bench(args: argparse.Namespace, stack: ExitStack) -> dict:
     for name, drafter in drafters.items():
         methods[name] = lambda ids, d=drafter: ours(loaded, d, ids, args.max_new_tokens, args.block_size)
         if args.scheduler != "fixed" and has_confidences(drafter):
-            methods[f"{name}+{args.scheduler}"] = lambda ids, d=drafter: ours(
-                loaded, d, ids, args.max_new_tokens, args.block_size, args.scheduler)
+            gate = resolve_gate(None, args.scheduler, drafter.max_block_size or 1)
+            methods[f"{name}+{args.scheduler}"] = lambda ids, d=drafter, g=gate: ours(
+                loaded, d, ids, args.max_new_tokens, args.block_size, args.scheduler, g)
 
     encoded = [prompt_ids(loaded, prompt) for prompt in prompts]
     peers = _start_peers(args, loaded, [len(ids) for ids in encoded], stack)

@@ -614,13 +614,15 @@ def test_report_render_names_the_target_and_derives_its_discussion_from_the_numb
     assert "SmolLM2" not in page
 
 
-def test_speed_bench_reports_identity_to_our_vanilla_decoding(tiny_on_disk, capsys):
-    """In float32 every one of our methods decodes exactly what our vanilla loop decodes; nothing diverges."""
+def test_speed_bench_reports_identity_to_our_vanilla_decoding(tiny_on_disk, capsys, tmp_path, monkeypatch):
+    """In float32 every one of our methods decodes exactly what our vanilla loop decodes (the scheduled one too,
+    with its draft gate kept across prompts); nothing diverges."""
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
     assert main(["bench", "speed", "--target", str(tiny_on_disk / "target"), "--dataset",
                  str(tiny_on_disk / "mbpp.jsonl"), "--drafter", str(tiny_on_disk / "drafter"), "--num-prompts", "2",
-                 "--max-new-tokens", "8", "--json"]) == 0
+                 "--max-new-tokens", "8", "--scheduler", "dspark", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["methods"]
-    for name in ("ours_vanilla", "ours_ngram", "ours_drafter"):
+    for name in ("ours_vanilla", "ours_ngram", "ours_drafter", "ours_drafter+dspark"):
         assert rows[name]["identical_to_ours_vanilla"] == 1.0 and rows[name]["divergence_gaps"] == []
 
 
