@@ -160,6 +160,7 @@ class Engine:
         self.stats = EngineStats()
         self.gate = gate
         self._gate_open = True  # this round's decision
+        self._catching_up = False  # this round's drafts first absorb many committed positions: not measured
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -214,7 +215,7 @@ class Engine:
         decoding_only = all(item.draft is not None for item in work)
         events, rounds = self._commit_all(self._forward(work))
         end = time.perf_counter()
-        if self.gate is not None and prefilled and decoding_only:
+        if self.gate is not None and prefilled and decoding_only and not self._catching_up:
             self.gate.record(len(prefilled), self._gate_open, sum(len(t) for _, t in events), end - start)
 
         self._account([r for r, _ in rounds], [d for _, d in rounds], start, drafted, scheduled, end)
@@ -265,6 +266,8 @@ class Engine:
             num_tokens = [n if r.reproducible or self._drafts_for_free(r) else 0
                           for r, n in zip(requests, num_tokens, strict=True)]
         active = [i for i, n in enumerate(num_tokens) if n > 0]
+        self._catching_up = self.gate is not None and any(self._pending(requests[i]) > self.block_size + 1
+                                                          for i in active)
         drafts = [Draft.empty() for _ in requests]
         proposed = self._propose([requests[i] for i in active], [num_tokens[i] for i in active])
         for i, draft in zip(active, proposed, strict=True):
@@ -279,6 +282,13 @@ class Engine:
             return self.drafter.drafts_for_free(request.drafter_state, request.context)
         except Exception:
             return False
+
+    def _pending(self, request: Request) -> int:
+        """Positions the drafter must absorb before this request's draft (its prompt, or the rounds it skipped)."""
+        try:
+            return self.drafter.pending_positions(request.drafter_state)
+        except Exception:
+            return 0
 
     def _propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft | None]:
         """One batched proposal; if it fails, each request again alone from the same generator

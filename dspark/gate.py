@@ -8,7 +8,10 @@ tail), so the gate measures instead: for every number of running requests R, the
 rounds that drafted and of the rounds that did not, as moving averages, and drafts in the next round with R
 requests when drafting measured faster. The other mode is retried every `explore_every` rounds, so a change
 (longer contexts, another domain, a busier machine) is seen. Skipping a draft is lossless: the decision reads no
-draft, only past round times. Rounds that carry prompt chunks are not recorded (a prefill dwarfs the decode).
+draft, only past round times. Rounds that carry prompt chunks are not recorded (a prefill dwarfs the decode), nor
+rounds whose drafter first absorbs many committed positions (a request's prompt, or the rounds it did not draft,
+`Drafter.pending_positions`): that catch-up is paid once, not per drafting round, and counting it made a retried
+drafting round look slow exactly because the rounds before it had not drafted.
 """
 
 from dataclasses import dataclass, field
@@ -50,6 +53,7 @@ class DraftGate:
     keep: float = 0.8
     rates: dict[int, dict[bool, _Rate]] = field(default_factory=dict)
     since_other: dict[int, int] = field(default_factory=dict)
+    trying: dict[int, bool] = field(default_factory=dict)  # a mode retried, kept until one round of it is recorded
 
     def __post_init__(self) -> None:
         if self.min_rounds < 1 or self.explore_every < 1:
@@ -66,10 +70,13 @@ class DraftGate:
         for mode in (True, False):  # measure drafting first, then plain decoding
             if rates[mode].rounds < self.min_rounds:
                 return mode
+        if num_requests in self.trying:  # the engine may not record a round (a prefill, a catch-up): try again
+            return self.trying[num_requests]
         draft, plain = rates[True].throughput, rates[False].throughput
         best = draft >= plain
         gap = max(draft, plain) / max(min(draft, plain), 1e-9) - 1.0
         if self.since_other.get(num_requests, 0) >= self.explore_every * min(4, 1 + int(gap / 0.1)):
+            self.trying[num_requests] = not best
             return not best
         return best
 
@@ -81,6 +88,8 @@ class DraftGate:
         chosen = all(rate.rounds >= self.min_rounds for rate in rates.values())  # not a measuring round
         best = rates[True].throughput >= rates[False].throughput
         rates[drafted].add(tokens, seconds, self.keep)
+        if self.trying.get(num_requests) == drafted:
+            del self.trying[num_requests]
         self.since_other[num_requests] = self.since_other.get(num_requests, 0) + 1 if chosen and drafted == best else 0
 
     def summary(self) -> dict[int, dict[str, float]]:

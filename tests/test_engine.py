@@ -429,6 +429,21 @@ def test_a_closed_draft_gate_skips_drafting_except_free_and_seeded_drafts(case):
         assert proposals >= request.stats.num_rounds - 1 > 0
 
 
+def test_the_gate_does_not_measure_a_round_whose_drafter_catches_up_on_the_prompt():
+    """A DSpark drafter absorbs a request's prompt features at its first draft (a lazy commit): that round costs
+    what a drafting round does not, so the gate records only the rounds after it."""
+    model = tiny_model("llama", num_layers=2)
+    drafter = random_dspark(model)
+    gate = DraftGate(min_rounds=1000)  # drafting every round: measuring
+    engine = Engine(make_backend(model, drafter.target_layer_ids, max_slots=1), drafter, block_size=4,
+                    scheduler="dspark", sps=SPSTable(tuple(1.0 / (1.0 + 0.01 * b) for b in range(1, 40))), gate=gate)
+    prompt = torch.arange(3, 15)  # 12 prompt positions > γ + 1
+    request = Request(prompt, 20)
+    engine.run([request])
+    assert request.stats.num_rounds >= 2
+    assert gate.summary()[1]["draft_rounds"] == request.stats.num_rounds - 1
+
+
 class AlternatingGate:
     """Drafts every other round, whatever the timings: decisions that read no draft."""
 

@@ -72,3 +72,14 @@ def test_engines_get_a_gate_for_the_dspark_schedulers_only():
     assert resolve_gate(False, "dspark", 7) is None
     assert isinstance(resolve_gate(True, "fixed-3", 7), DraftGate)
     assert resolve_gate(shared, "dspark", 7) is shared
+
+
+def test_a_retried_mode_is_kept_until_one_of_its_rounds_is_recorded():
+    """The engine does not record every round (prompt chunks, a drafter catching up): a retry must not be lost."""
+    gate = DraftGate(min_rounds=1, explore_every=2)
+    play(gate, 5, {True: DRAFT, False: PLAIN})  # drafting measured slower: plain from the third round
+    while not gate.should_draft(8):
+        gate.record(8, False, *PLAIN)
+    assert gate.should_draft(8) and gate.should_draft(8)  # unrecorded: still retrying drafting
+    gate.record(8, True, *DRAFT)
+    assert not gate.should_draft(8)

@@ -97,6 +97,11 @@ class Drafter(ABC):
         who drafts then lets such a request draft whatever it planned. Decided from committed tokens only."""
         return False
 
+    def pending_positions(self, state: Any) -> int:
+        """Committed positions whose target features the drafter has not absorbed yet (a lazy commit): its next
+        model proposal pays for them first. A round that catches up on many is no measure of a drafting round."""
+        return 0
+
 
 class NoDrafter(Drafter):
     """Vanilla decoding: every round verifies zero drafts and emits one target token."""

@@ -73,6 +73,9 @@ class DSparkDrafter(Drafter):
             if state.num_pending >= MAX_PENDING:
                 self.flush([state])
 
+    def pending_positions(self, state: DSparkState) -> int:
+        return state.num_pending
+
     @torch.inference_mode()
     def flush(self, states: list[DSparkState]) -> None:
         """Project every pending feature of `states` into their caches, in one batched pass."""

@@ -84,6 +84,9 @@ class LookupFirstDrafter(Drafter):
     def drafts_for_free(self, state: LookupFirstState, context: torch.Tensor) -> bool:
         return bool(len(self._lookup(state, context)))
 
+    def pending_positions(self, state: LookupFirstState) -> int:
+        return self.model.pending_positions(state.model_state)
+
     def propose(self, state, context, num_tokens, sampling: SamplingParams, generator) -> Draft:
         return self.propose_batch([state], [context], [num_tokens], [sampling], [generator])[0]
 

@@ -94,6 +94,9 @@ class DrafterWrapper(Drafter):
     def drafts_for_free(self, state: Any, context: torch.Tensor) -> bool:
         return self.inner.drafts_for_free(state, context)
 
+    def pending_positions(self, state: Any) -> int:
+        return self.inner.pending_positions(state)
+
 
 def _dspark_model(drafter: Drafter):
     """The DSparkModel under a (possibly wrapped) drafter, or None for other drafter families."""
