@@ -444,6 +444,18 @@ def test_the_gate_does_not_measure_a_round_whose_drafter_catches_up_on_the_promp
     assert gate.summary()[1]["draft_rounds"] == request.stats.num_rounds - 1
 
 
+def test_the_gate_is_given_the_tokens_a_round_expects_from_its_confidences():
+    """Per request 1 + Σ a_k over the verified drafts; what it committed where no draft or no confidences."""
+    from dspark.engine import expected_tokens
+
+    a, b, c = (Request(torch.tensor([1]), 4) for _ in range(3))
+    confident = Draft(torch.tensor([5, 6]), None, torch.tensor([0.5, 0.5]))  # a = 0.5, 0.25
+    no_confidence = Draft(torch.tensor([5, 6, 7]))
+    rounds = [(a, confident), (b, no_confidence), (c, Draft.empty())]
+    events = [(a, [5]), (b, [5, 6, 7, 8]), (c, [9])]
+    assert expected_tokens(rounds, events) == pytest.approx(1.75 + 4 + 1)
+
+
 class AlternatingGate:
     """Drafts every other round, whatever the timings: decisions that read no draft."""
 

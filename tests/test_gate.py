@@ -58,7 +58,7 @@ def test_ignores_rounds_without_time_and_rejects_bad_settings():
     gate = DraftGate()
     gate.record(2, True, 3, 0.0)
     assert gate.summary().get(2, {}).get("draft_rounds", 0) == 0
-    for bad in ({"min_rounds": 0}, {"explore_every": 0}, {"keep": 1.0}, {"keep": -0.1}):
+    for bad in ({"min_rounds": 0}, {"explore_every": 0}, {"keep": 1.0}, {"keep": -0.1}, {"margin": -0.5}):
         with pytest.raises(DsparkError):
             DraftGate(**bad)
 
@@ -83,3 +83,12 @@ def test_a_retried_mode_is_kept_until_one_of_its_rounds_is_recorded():
     assert gate.should_draft(8) and gate.should_draft(8)  # unrecorded: still retrying drafting
     gate.record(8, True, *DRAFT)
     assert not gate.should_draft(8)
+
+
+def test_drafting_stops_only_when_plain_decoding_measures_clearly_faster():
+    """Drafting is the scheduler's choice; plain decoding must beat it by the margin (here 10%) to take over."""
+    costs = {True: (8.8, 0.0575), False: PLAIN}  # drafting 153 tokens/s: plain 4.5% faster, within the margin
+    choices = play(DraftGate(min_rounds=1, explore_every=4), 20, costs)
+    assert choices[2:].count(False) <= 4  # only the retries of plain decoding
+    choices = play(DraftGate(min_rounds=1, explore_every=4, margin=0.0), 20, costs)
+    assert choices[2:].count(True) <= 4
