@@ -26,12 +26,16 @@ class _Rate:
     tokens: float = 0.0
     seconds: float = 0.0
     rounds: int = 0
+    last: int = 0  # the gate's round count (both modes) when this mode was last recorded
 
-    def add(self, tokens: float, seconds: float, keep: float) -> None:
-        weight = keep if self.rounds else 0.0
+    def add(self, tokens: float, seconds: float, keep: float, now: int) -> None:
+        """The past decays by `keep` per round of *either* mode since it was measured: a mode retried after 16
+        rounds of the other is mostly judged by the new round, not by what it measured under older conditions."""
+        weight = keep ** (now - self.last) if self.rounds else 0.0
         self.tokens = weight * self.tokens + (1 - weight) * tokens
         self.seconds = weight * self.seconds + (1 - weight) * seconds
         self.rounds += 1
+        self.last = now
 
     @property
     def throughput(self) -> float:
@@ -43,14 +47,14 @@ class DraftGate:
     """Per number of running requests: draft or not, whichever measured more tokens per second.
 
     `min_rounds`: rounds of each mode measured before the gate chooses (drafting first, the scheduler's own
-    behaviour); `explore_every`: the losing mode is run once after this many rounds of the winner while the two
+    behaviour). `explore_every`: the losing mode is run once after this many rounds of the winner while the two
     are within 10%, once per `explore_every` more for every further 10% between them (at most 4x as rarely: a
-    clear loser is unlikely to overtake soon, and each retry costs its gap); `keep`: the weight of the past in
-    the moving averages (0.9: about the last 10 rounds of a mode count); `margin`: plain decoding must measure this
-    much faster before drafting stops. Drafting is the scheduler's own choice, and at one request a drafting
-    round's tokens vary from 1 to γ + 1 while a plain round's are always 1, so a short unlucky run of drafts would
-    otherwise switch drafting off for the many rounds until the next retry (session 15, bench load at one request:
-    the gate without a margin and with 5-round averages cost 16% against no gate)."""
+    clear loser is unlikely to overtake soon, and each retry costs its gap). `keep`: the weight of the past in
+    the moving averages, per round of either mode (0.9: about the last 10 rounds count). `margin`: plain
+    decoding must measure this much faster before drafting stops. Drafting is the scheduler's own choice, and
+    at one request a drafting round commits 1 to γ + 1 tokens where a plain round commits 1, so a short unlucky
+    run of drafts would otherwise switch drafting off until the next retry (session 15, bench load at one
+    request: the gate without a margin, on committed tokens, cost 16% against no gate)."""
 
     min_rounds: int = 3
     explore_every: int = 16
@@ -59,6 +63,7 @@ class DraftGate:
     rates: dict[int, dict[bool, _Rate]] = field(default_factory=dict)
     since_other: dict[int, int] = field(default_factory=dict)
     trying: dict[int, bool] = field(default_factory=dict)  # a mode retried, kept until one round of it is recorded
+    clock: dict[int, int] = field(default_factory=dict)  # recorded rounds per number of requests
 
     def __post_init__(self) -> None:
         if self.min_rounds < 1 or self.explore_every < 1:
@@ -98,7 +103,8 @@ class DraftGate:
         rates = self._rates(num_requests)
         chosen = all(rate.rounds >= self.min_rounds for rate in rates.values())  # not a measuring round
         best = self._drafting_wins(rates[True].throughput, rates[False].throughput)
-        rates[drafted].add(tokens, seconds, self.keep)
+        self.clock[num_requests] = now = self.clock.get(num_requests, 0) + 1
+        rates[drafted].add(tokens, seconds, self.keep, now)
         if self.trying.get(num_requests) == drafted:
             del self.trying[num_requests]
         self.since_other[num_requests] = self.since_other.get(num_requests, 0) + 1 if chosen and drafted == best else 0

@@ -92,3 +92,12 @@ def test_drafting_stops_only_when_plain_decoding_measures_clearly_faster():
     assert choices[2:].count(False) <= 4  # only the retries of plain decoding
     choices = play(DraftGate(min_rounds=1, explore_every=4, margin=0.0), 20, costs)
     assert choices[2:].count(True) <= 4
+
+
+def test_a_mode_retried_after_many_rounds_is_judged_mostly_by_its_new_round():
+    gate = DraftGate(min_rounds=1)
+    gate.record(8, True, 10, 1.0)  # drafting once measured 10 tokens/s
+    for _ in range(20):
+        gate.record(8, False, 20, 1.0)
+    gate.record(8, True, 30, 1.0)  # 21 rounds later: 30 tokens/s
+    assert gate.summary()[8]["draft"] > 25
