@@ -63,7 +63,6 @@ class DraftGate:
     rates: dict[int, dict[bool, _Rate]] = field(default_factory=dict)
     since_other: dict[int, int] = field(default_factory=dict)
     trying: dict[int, bool] = field(default_factory=dict)  # a mode retried, kept until one round of it is recorded
-    clock: dict[int, int] = field(default_factory=dict)  # recorded rounds per number of requests
 
     def __post_init__(self) -> None:
         if self.min_rounds < 1 or self.explore_every < 1:
@@ -103,7 +102,7 @@ class DraftGate:
         rates = self._rates(num_requests)
         chosen = all(rate.rounds >= self.min_rounds for rate in rates.values())  # not a measuring round
         best = self._drafting_wins(rates[True].throughput, rates[False].throughput)
-        self.clock[num_requests] = now = self.clock.get(num_requests, 0) + 1
+        now = rates[True].rounds + rates[False].rounds + 1  # this round's number among R's recorded rounds
         rates[drafted].add(tokens, seconds, self.keep, now)
         if self.trying.get(num_requests) == drafted:
             del self.trying[num_requests]

@@ -1,10 +1,3 @@
 #!/usr/bin/env bash
-# Session 15, final gate (expected tokens, 10% margin, averages decaying per round), run 10 drafter: dspark with and without it beside the static policies that
-# were best at some level in load_gate2 (none, fixed-1, fixed-3, fixed-5), quiet machine, median of 3 passes.
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-. .venv/bin/activate
-E=../shared/eval_datasets
-dspark bench load --max-concurrency 8 --num-requests 8 --max-new-tokens 48 --dataset $E/mt-bench.jsonl \
-    --policy none --policy fixed-1 --policy fixed-3 --policy fixed-5 --policy dspark --policy dspark:no-gate \
-    --policy dspark-async --repeats 3 --json > training/session15/load_gate4.json 2> training/session15/load_gate4.err
+# Session 15: load_gate3.sh again after the gate's averages decay per round of either mode, with the run 10 drafter.
+exec bash "$(dirname "$0")/load_gate3.sh" load_gate4
