@@ -25,13 +25,14 @@ class _Rate:
 
     tokens: float = 0.0
     seconds: float = 0.0
-    rounds: int = 0
+    rounds: int = 0  # rounds recorded at this number of requests
     last: int = 0  # the gate's round count (both modes) when this mode was last recorded
+    borrowed: bool = False  # started from a neighbouring number of requests' averages
 
     def add(self, tokens: float, seconds: float, keep: float, now: int) -> None:
         """The past decays by `keep` per round of *either* mode since it was measured: a mode retried after 16
         rounds of the other is mostly judged by the new round, not by what it measured under older conditions."""
-        weight = keep ** (now - self.last) if self.rounds else 0.0
+        weight = keep ** (now - self.last) if self.rounds or self.borrowed else 0.0
         self.tokens = weight * self.tokens + (1 - weight) * tokens
         self.seconds = weight * self.seconds + (1 - weight) * seconds
         self.rounds += 1
@@ -40,6 +41,10 @@ class _Rate:
     @property
     def throughput(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def scaled(self, factor: float) -> "_Rate":
+        """This mode's averages as a prior for another number of requests (tokens scaled, no rounds of its own)."""
+        return _Rate(self.tokens * factor, self.seconds, borrowed=True)
 
 
 @dataclass
@@ -50,16 +55,22 @@ class DraftGate:
     behaviour). `explore_every`: the losing mode is run once after this many rounds of the winner while the two
     are within 10%, once per `explore_every` more for every further 10% between them (at most 4x as rarely: a
     clear loser is unlikely to overtake soon, and each retry costs its gap). `keep`: the weight of the past in
-    the moving averages, per round of either mode (0.9: about the last 10 rounds count). `margin`: plain
-    decoding must measure this much faster before drafting stops. Drafting is the scheduler's own choice, and
-    at one request a drafting round commits 1 to γ + 1 tokens where a plain round commits 1, so a short unlucky
-    run of drafts would otherwise switch drafting off until the next retry (session 15, bench load at one
-    request: the gate without a margin, on committed tokens, cost 16% against no gate)."""
+    the moving averages, per round of either mode (0.9: about the last 10 rounds count). `share`: a number of
+    requests R not seen yet starts from the nearest R' measured in both modes with |R - R'| <= max(1, share * R'),
+    its tokens scaled by R / R' (so the same mode wins), instead of measuring both modes afresh: requests of a
+    batch finish at different rounds, and its tail (7, 6, 5, ... running) spent most of its few rounds at each R
+    measuring (session 15, bench load); a borrowed choice is retried after `explore_every` rounds; 0: never
+    borrowed. `margin`: plain decoding must measure this much faster before drafting stops. Drafting is the
+    scheduler's own choice, and at one request a drafting round commits 1 to γ + 1 tokens where a plain round
+    commits 1, so a short unlucky run of drafts would otherwise switch drafting off until the next retry
+    (session 15, bench load at one request: the gate without a margin, on committed tokens, cost 16% against
+    no gate)."""
 
     min_rounds: int = 3
     explore_every: int = 16
     keep: float = 0.9
     margin: float = 0.1
+    share: float = 0.25
     rates: dict[int, dict[bool, _Rate]] = field(default_factory=dict)
     since_other: dict[int, int] = field(default_factory=dict)
     trying: dict[int, bool] = field(default_factory=dict)  # a mode retried, kept until one round of it is recorded
@@ -71,22 +82,45 @@ class DraftGate:
             raise DsparkError(f"the draft gate's keep must be in [0, 1), got {self.keep}")
         if not self.margin >= 0.0:
             raise DsparkError(f"the draft gate's margin must be >= 0, got {self.margin}")
+        if not self.share >= 0.0:
+            raise DsparkError(f"the draft gate's share must be >= 0, got {self.share}")
 
     def _rates(self, num_requests: int) -> dict[bool, _Rate]:
-        return self.rates.setdefault(num_requests, {True: _Rate(), False: _Rate()})
+        if num_requests not in self.rates:
+            self.rates[num_requests] = self._borrow(num_requests)
+        return self.rates[num_requests]
+
+    def _measured(self, num_requests: int) -> bool:
+        return all(rate.rounds >= self.min_rounds for rate in self.rates[num_requests].values())
+
+    def _borrow(self, num_requests: int) -> dict[bool, _Rate]:
+        """Fresh averages for a number of requests, started from the nearest one measured in both modes (the
+        larger on a tie: a batch's tail comes down from it) when one is near enough; else empty."""
+        near = [r for r in self.rates
+                if self.share > 0 and self._measured(r) and abs(r - num_requests) <= max(1, self.share * r)]
+        if not near:
+            return {True: _Rate(), False: _Rate()}
+        lender = min(near, key=lambda r: (abs(r - num_requests), -r))
+        rates = self.rates[lender]
+        self.since_other[num_requests] = self.explore_every * (self._spacing(rates) - 1)  # retried explore_every on
+        return {mode: rate.scaled(num_requests / lender) for mode, rate in rates.items()}
+
+    def _spacing(self, rates: dict[bool, _Rate]) -> int:
+        """Rounds between retries of the loser, in units of explore_every: the further apart, the rarer."""
+        draft, plain = rates[True].throughput, rates[False].throughput
+        gap = max(draft, plain) / max(min(draft, plain), 1e-9) - 1.0
+        return min(4, 1 + int(gap / 0.1))
 
     def should_draft(self, num_requests: int) -> bool:
         """Whether the next round with `num_requests` running requests drafts."""
         rates = self._rates(num_requests)
         for mode in (True, False):  # measure drafting first, then plain decoding
-            if rates[mode].rounds < self.min_rounds:
+            if rates[mode].rounds < self.min_rounds and not rates[mode].borrowed:
                 return mode
         if num_requests in self.trying:  # the engine may not record a round (a prefill, a catch-up): try again
             return self.trying[num_requests]
-        draft, plain = rates[True].throughput, rates[False].throughput
-        best = self._drafting_wins(draft, plain)
-        gap = max(draft, plain) / max(min(draft, plain), 1e-9) - 1.0
-        if self.since_other.get(num_requests, 0) >= self.explore_every * min(4, 1 + int(gap / 0.1)):
+        best = self._drafting_wins(rates[True].throughput, rates[False].throughput)
+        if self.since_other.get(num_requests, 0) >= self.explore_every * self._spacing(rates):
             self.trying[num_requests] = not best
             return not best
         return best
@@ -100,7 +134,7 @@ class DraftGate:
         if seconds <= 0:
             return
         rates = self._rates(num_requests)
-        chosen = all(rate.rounds >= self.min_rounds for rate in rates.values())  # not a measuring round
+        chosen = all(rate.rounds >= self.min_rounds or rate.borrowed for rate in rates.values())  # not measuring
         best = self._drafting_wins(rates[True].throughput, rates[False].throughput)
         now = rates[True].rounds + rates[False].rounds + 1  # this round's number among R's recorded rounds
         rates[drafted].add(tokens, seconds, self.keep, now)

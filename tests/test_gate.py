@@ -58,7 +58,9 @@ def test_ignores_rounds_without_time_and_rejects_bad_settings():
     gate = DraftGate()
     gate.record(2, True, 3, 0.0)
     assert gate.summary().get(2, {}).get("draft_rounds", 0) == 0
-    for bad in ({"min_rounds": 0}, {"explore_every": 0}, {"keep": 1.0}, {"keep": -0.1}, {"margin": -0.5}):
+    bad_settings = ({"min_rounds": 0}, {"explore_every": 0}, {"keep": 1.0}, {"keep": -0.1}, {"margin": -0.5},
+                    {"share": -1.0})
+    for bad in bad_settings:
         with pytest.raises(DsparkError):
             DraftGate(**bad)
 
@@ -101,3 +103,21 @@ def test_a_mode_retried_after_many_rounds_is_judged_mostly_by_its_new_round():
         gate.record(8, False, 20, 1.0)
     gate.record(8, True, 30, 1.0)  # 21 rounds later: 30 tokens/s
     assert gate.summary()[8]["draft"] > 25
+
+
+def test_a_number_of_requests_near_a_measured_one_starts_from_its_choice():
+    """A batch's tail (7, 6, ... requests left) borrows the nearest measured R's averages instead of measuring
+    both modes at every R; a far one measures afresh, and a borrowed choice is retried after explore_every rounds."""
+    gate = DraftGate(min_rounds=2, explore_every=4)
+    play(gate, 8, {True: DRAFT, False: PLAIN})  # at 8 requests plain measured 24% faster
+    choices = play(gate, 6, {True: (8, 0.07), False: (7, 0.05)}, num_requests=7)
+    assert choices == [False] * 4 + [True, False]  # no measuring rounds; drafting retried after 4 rounds
+    assert gate.summary()[7]["plain_rounds"] == 5 and gate.summary()[7]["draft_rounds"] == 1
+    fresh = DraftGate(min_rounds=2, explore_every=4)
+    play(fresh, 8, {True: DRAFT, False: PLAIN})
+    assert fresh.should_draft(7) is False and fresh.rates[7][False].throughput == pytest.approx(160.0 * 7 / 8)
+    assert fresh.should_draft(5) is True  # 3 away from 8 (> 25% of 8): measured afresh, drafting first
+    assert fresh.rates[5][True].rounds == 0 and not fresh.rates[5][True].borrowed
+    unshared = DraftGate(min_rounds=2, explore_every=4, share=0.0)
+    play(unshared, 8, {True: DRAFT, False: PLAIN})
+    assert unshared.should_draft(7) is True  # share 0: every R measures on its own, drafting first
