@@ -42,6 +42,10 @@ class _Rate:
     def throughput(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    def settled(self, min_rounds: int) -> bool:
+        """Whether this mode has an estimate to choose by: measured min_rounds times, or borrowed."""
+        return self.borrowed or self.rounds >= min_rounds
+
     def scaled(self, factor: float) -> "_Rate":
         """This mode's averages as a prior for another number of requests (tokens scaled, no rounds of its own)."""
         return _Rate(self.tokens * factor, self.seconds, borrowed=True)
@@ -91,6 +95,7 @@ class DraftGate:
         return self.rates[num_requests]
 
     def _measured(self, num_requests: int) -> bool:
+        """Measured in both modes at this number of requests itself (only such a one lends its averages)."""
         return all(rate.rounds >= self.min_rounds for rate in self.rates[num_requests].values())
 
     def _borrow(self, num_requests: int) -> dict[bool, _Rate]:
@@ -115,7 +120,7 @@ class DraftGate:
         """Whether the next round with `num_requests` running requests drafts."""
         rates = self._rates(num_requests)
         for mode in (True, False):  # measure drafting first, then plain decoding
-            if rates[mode].rounds < self.min_rounds and not rates[mode].borrowed:
+            if not rates[mode].settled(self.min_rounds):
                 return mode
         if num_requests in self.trying:  # the engine may not record a round (a prefill, a catch-up): try again
             return self.trying[num_requests]
@@ -134,7 +139,7 @@ class DraftGate:
         if seconds <= 0:
             return
         rates = self._rates(num_requests)
-        chosen = all(rate.rounds >= self.min_rounds or rate.borrowed for rate in rates.values())  # not measuring
+        chosen = all(rate.settled(self.min_rounds) for rate in rates.values())  # not a measuring round
         best = self._drafting_wins(rates[True].throughput, rates[False].throughput)
         now = rates[True].rounds + rates[False].rounds + 1  # this round's number among R's recorded rounds
         rates[drafted].add(tokens, seconds, self.keep, now)

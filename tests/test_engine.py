@@ -13,7 +13,7 @@ from dspark.drafters.dspark import DSparkModel
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.dspark_drafter import DSparkDrafter
 from dspark.drafters.ngram import NgramDrafter
-from dspark.engine import Engine, Request, make_backend
+from dspark.engine import Engine, Request, expected_tokens, make_backend
 from dspark.errors import DsparkError
 from dspark.gate import DraftGate
 from dspark.ragged import (
@@ -446,8 +446,6 @@ def test_the_gate_does_not_measure_a_round_whose_drafter_catches_up_on_the_promp
 
 def test_the_gate_is_given_the_tokens_a_round_expects_from_its_confidences():
     """Per request 1 + Σ a_k over the verified drafts; what it committed where no draft or no confidences."""
-    from dspark.engine import expected_tokens
-
     a, b, c = (Request(torch.tensor([1]), 4) for _ in range(3))
     confident = Draft(torch.tensor([5, 6]), None, torch.tensor([0.5, 0.5]))  # a = 0.5, 0.25
     no_confidence = Draft(torch.tensor([5, 6, 7]))
