@@ -105,6 +105,10 @@ def run_load_bench(args: argparse.Namespace) -> dict:
     results: dict[str, dict[str, list]] = {p: {"throughput": [], "per_user": [], "budget": [], "tau": [],
                                                "scheduler_share": [], "identical_to_none": []} for p in policies}
     gates = {p: policy_gate(p, block_size) for p in policies}
+    trace = open(args.gate_trace, "w") if args.gate_trace else None  # written pass by pass, closed below
+    for gate in gates.values():
+        if gate is not None and trace is not None:
+            gate.trace = []
     run_level(loaded, drafter, prompts[:1], policies[0], 1, 4, block_size, sps)  # warm-up
     for index, level in enumerate(levels):
         passes: dict[str, list[dict]] = {p: [] for p in policies}
@@ -113,6 +117,8 @@ def run_load_bench(args: argparse.Namespace) -> dict:
             for policy in policies[shift:] + policies[:shift]:
                 passes[policy].append(run_level(loaded, drafter, prompts, policy, level, args.max_new_tokens,
                                                 block_size, sps, gates[policy]))
+                if trace is not None and gates[policy] is not None:
+                    _write_trace(trace, gates[policy], policy, level, repeat)
         measured = {policy: _median_pass(rows) for policy, rows in passes.items()}
         reference = measured.get("none", measured[policies[0]])["outputs"]
         for policy in policies:
@@ -151,11 +157,22 @@ def run_load_bench(args: argparse.Namespace) -> dict:
             for p in policies if p.startswith("dspark")
         }
     report["draft_gate"] = {p: gate.summary() for p, gate in gates.items() if gate is not None}
+    if trace is not None:
+        trace.close()
+        report["gate_trace"] = args.gate_trace
     if args.plot_dir:
         report["plots"] = plot_load(report, Path(args.plot_dir))
     _print_load_table(report)
     print(json.dumps(report))
     return report
+
+
+def _write_trace(trace, gate: DraftGate, policy: str, level: int, repeat: int) -> None:
+    """The gate's rounds of one pass as JSON lines (then forgotten): what each mode measured, round by round."""
+    for row in gate.trace:
+        trace.write(json.dumps({"policy": policy, "concurrency": level, "pass": repeat, **row}) + "\n")
+    trace.flush()
+    gate.trace.clear()
 
 
 def _print_load_table(report: dict) -> None:

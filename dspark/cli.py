@@ -131,6 +131,9 @@ def add_bench_parser(subparsers) -> None:
                            "dspark, dspark-async; dspark-planned on request); NAME:gate / NAME:no-gate runs a policy "
                            "with or without the draft gate (default: on for dspark*), e.g. dspark:no-gate")
     load.add_argument("--plot-dir", default=None, help="write load_frontier.png and load_budget.png here")
+    load.add_argument("--gate-trace", default=None,
+                      help="write every round the draft gates record (policy, concurrency, pass, requests, drafted, "
+                           "tokens, seconds) here as JSON lines")
     load.add_argument("--json", action="store_true", help="(the JSON line is always printed last)")
     add_dtype_arg(load)
     load.set_defaults(handler=run_bench_load)

@@ -78,6 +78,7 @@ class DraftGate:
     rates: dict[int, dict[bool, _Rate]] = field(default_factory=dict)
     since_other: dict[int, int] = field(default_factory=dict)
     trying: dict[int, bool] = field(default_factory=dict)  # a mode retried, kept until one round of it is recorded
+    trace: list[dict] | None = None  # every recorded round, when a list is given (`dspark bench load --gate-trace`)
 
     def __post_init__(self) -> None:
         if self.min_rounds < 1 or self.explore_every < 1:
@@ -143,6 +144,9 @@ class DraftGate:
         best = self._drafting_wins(rates[True].throughput, rates[False].throughput)
         now = rates[True].rounds + rates[False].rounds + 1  # this round's number among R's recorded rounds
         rates[drafted].add(tokens, seconds, self.keep, now)
+        if self.trace is not None:
+            self.trace.append({"num_requests": num_requests, "drafted": drafted, "tokens": round(tokens, 4),
+                               "seconds": round(seconds, 6), "chosen": chosen})
         if self.trying.get(num_requests) == drafted:
             del self.trying[num_requests]
         self.since_other[num_requests] = self.since_other.get(num_requests, 0) + 1 if chosen and drafted == best else 0

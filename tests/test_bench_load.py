@@ -19,6 +19,7 @@ def test_bench_load_sweeps_policies_and_concurrency(tiny_on_disk, tmp_path, monk
     report = run_cli(capsys, "bench", "load", "--target", tiny_on_disk / "target", "--drafter",
                      tiny_on_disk / "drafter", "--dataset", tiny_on_disk / "gsm8k.jsonl", "--max-concurrency", 3,
                      "--num-requests", 3, "--max-new-tokens", 6, "--plot-dir", tmp_path / "plots", "--repeats", 2,
+                     "--gate-trace", tmp_path / "trace.jsonl",
                      *[arg for p in policies for arg in ("--policy", p)])
     assert report["concurrency"] == [1, 2, 3] and report["dtype"] == "float32" and report["repeats"] == 2
     assert list(report["policies"]) == policies
@@ -32,6 +33,15 @@ def test_bench_load_sweeps_policies_and_concurrency(tiny_on_disk, tmp_path, monk
     measured = report["draft_gate"]["dspark"]
     assert {int(r) for r in measured} <= {1, 2, 3}
     assert sum(m["draft_rounds"] + m["plain_rounds"] for m in measured.values()) > 0
+    trace = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert {row["policy"] for row in trace} == {"dspark", "dspark-async"}
+    assert {(row["concurrency"], row["pass"]) for row in trace} <= {(c, p) for c in (1, 2, 3) for p in (0, 1)}
+    for policy in ("dspark", "dspark-async"):  # the trace holds exactly the rounds the gate summarises
+        rounds = [row for row in trace if row["policy"] == policy]
+        for r, m in report["draft_gate"][policy].items():
+            at_r = [row for row in rounds if row["num_requests"] == int(r)]
+            assert sum(row["drafted"] for row in at_r) == m["draft_rounds"]
+            assert sum(not row["drafted"] for row in at_r) == m["plain_rounds"]
     for policy in ("dspark", "dspark-async", "dspark:no-gate"):  # against the best of none and fixed-3
         best = [max(report["policies"][b]["throughput"][i] for b in ("none", "fixed-3")) for i in range(3)]
         expected = [t / b for t, b in zip(report["policies"][policy]["throughput"], best, strict=True)]

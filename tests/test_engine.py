@@ -427,6 +427,8 @@ def test_a_closed_draft_gate_skips_drafting_except_free_and_seeded_drafts(case):
         assert gate.summary()[1]["plain_rounds"] == 2 + 29  # 30 tokens: the prefill's, then one per round
     else:
         assert proposals >= request.stats.num_rounds - 1 > 0
+    if case == "free":  # every draft a lookup hit, made whatever the gate says: no round measures a mode
+        assert gate.summary()[1]["plain_rounds"] == 2 and gate.summary()[1]["draft_rounds"] == 2
 
 
 def test_the_gate_does_not_measure_a_round_whose_drafter_catches_up_on_the_prompt():
@@ -452,6 +454,7 @@ def test_the_gate_is_given_the_tokens_a_round_expects_from_its_confidences():
     rounds = [(a, confident), (b, no_confidence), (c, Draft.empty())]
     events = [(a, [5]), (b, [5, 6, 7, 8]), (c, [9])]
     assert expected_tokens(rounds, events) == pytest.approx(1.75 + 4 + 1)
+    assert expected_tokens(rounds, events, free={id(b)}) == pytest.approx(1.75 + 1 + 1)  # a lookup hit counts 1
 
 
 class AlternatingGate:
