@@ -216,9 +216,14 @@ class Engine:
         decoding_only = all(item.draft is not None for item in work)
         events, rounds = self._commit_all(self._forward(work))
         end = time.perf_counter()
-        if (self.gate is not None and prefilled and decoding_only and not self._catching_up
-                and len(self._free) < len(prefilled)):  # a round of free drafts only is the same in both modes
-            self.gate.record(len(prefilled), self._gate_open, expected_tokens(rounds, events, self._free), end - start)
+        if self.gate is not None and prefilled:
+            unmeasured = ("prefill" if not decoding_only else "catch-up" if self._catching_up
+                          else "free" if len(self._free) >= len(prefilled) else None)  # free only: same in both modes
+            if unmeasured is None:
+                self.gate.record(len(prefilled), self._gate_open, expected_tokens(rounds, events, self._free),
+                                 end - start)
+            else:
+                self.gate.unmeasured(len(prefilled), self._gate_open, unmeasured, end - start)
 
         self._account([r for r, _ in rounds], [d for _, d in rounds], start, drafted, scheduled, end)
         self.stats.num_drafted += sum(len(d) for d in proposed)

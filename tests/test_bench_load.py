@@ -36,8 +36,9 @@ def test_bench_load_sweeps_policies_and_concurrency(tiny_on_disk, tmp_path, monk
     trace = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     assert {row["policy"] for row in trace} == {"dspark", "dspark-async"}
     assert {(row["concurrency"], row["pass"]) for row in trace} <= {(c, p) for c in (1, 2, 3) for p in (0, 1)}
+    assert {row["unmeasured"] for row in trace if "unmeasured" in row} >= {"prefill"}  # and what it did not measure
     for policy in ("dspark", "dspark-async"):  # the trace holds exactly the rounds the gate summarises
-        rounds = [row for row in trace if row["policy"] == policy]
+        rounds = [row for row in trace if row["policy"] == policy and "unmeasured" not in row]
         for r, m in report["draft_gate"][policy].items():
             at_r = [row for row in rounds if row["num_requests"] == int(r)]
             assert sum(row["drafted"] for row in at_r) == m["draft_rounds"]

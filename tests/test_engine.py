@@ -470,6 +470,9 @@ class AlternatingGate:
     def record(self, num_requests: int, drafted: bool, tokens: int, seconds: float) -> None:
         pass
 
+    def unmeasured(self, num_requests: int, drafted: bool, reason: str, seconds: float) -> None:
+        pass
+
 
 def test_gated_sampling_is_lossless():
     """Rounds that skip drafting (gate closed) between rounds that draft keep the target's distribution."""

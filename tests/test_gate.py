@@ -88,12 +88,18 @@ def test_a_retried_mode_is_kept_until_one_of_its_rounds_is_recorded():
 
 
 def test_drafting_stops_only_when_plain_decoding_measures_clearly_faster():
-    """Drafting is the scheduler's choice; plain decoding must beat it by the margin (here 10%) to take over."""
-    costs = {True: (8.8, 0.0575), False: PLAIN}  # drafting 153 tokens/s: plain 4.5% faster, within the margin
-    choices = play(DraftGate(min_rounds=1, explore_every=4), 20, costs)
+    """Drafting is the scheduler's choice; plain decoding must beat it by the margin (10% at one request, 10%/sqrt(R)
+    at R: a round's tokens sum over R requests, and so does their noise) to take over."""
+    costs = {True: (8.8, 0.0575), False: PLAIN}  # drafting 153 tokens/s: plain 4.5% faster
+    choices = play(DraftGate(min_rounds=1, explore_every=4), 20, costs, num_requests=1)  # within 10%
     assert choices[2:].count(False) <= 4  # only the retries of plain decoding
-    choices = play(DraftGate(min_rounds=1, explore_every=4, margin=0.0), 20, costs)
+    choices = play(DraftGate(min_rounds=1, explore_every=4, margin=0.0), 20, costs, num_requests=1)
     assert choices[2:].count(True) <= 4
+    choices = play(DraftGate(min_rounds=1, explore_every=4), 20, costs, num_requests=8)  # beyond 10% / sqrt(8)
+    assert choices[2:].count(True) <= 4
+    choices = play(DraftGate(min_rounds=1, explore_every=4), 20, {True: (8.8, 0.0575), False: (9.0, 0.0575)},
+                   num_requests=8)  # plain 2.3% faster: within 3.5%
+    assert choices[2:].count(False) <= 4
 
 
 def test_a_mode_retried_after_many_rounds_is_judged_mostly_by_its_new_round():
