@@ -132,8 +132,9 @@ def add_bench_parser(subparsers) -> None:
                            "with or without the draft gate (default: on for dspark*), e.g. dspark:no-gate")
     load.add_argument("--plot-dir", default=None, help="write load_frontier.png and load_budget.png here")
     load.add_argument("--gate-trace", default=None,
-                      help="write every round the draft gates record (policy, concurrency, pass, requests, drafted, "
-                           "tokens, seconds) here as JSON lines")
+                      help="write every round the draft gates see (policy, concurrency, pass, requests, drafted, "
+                           "tokens, seconds; or why it was not measured) here as JSON lines "
+                           "(python scripts/gate_trace.py FILE summarises it)")
     load.add_argument("--json", action="store_true", help="(the JSON line is always printed last)")
     add_dtype_arg(load)
     load.set_defaults(handler=run_bench_load)
