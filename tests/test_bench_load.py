@@ -36,7 +36,9 @@ def test_bench_load_sweeps_policies_and_concurrency(tiny_on_disk, tmp_path, monk
     trace = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     assert {row["policy"] for row in trace} == {"dspark", "dspark-async"}
     assert {(row["concurrency"], row["pass"]) for row in trace} <= {(c, p) for c in (1, 2, 3) for p in (0, 1)}
-    assert {row["unmeasured"] for row in trace if "unmeasured" in row} >= {"prefill"}  # and what it did not measure
+    unmeasured = [row for row in trace if "unmeasured" in row]  # and what it did not measure, and why (which of
+    assert unmeasured  # them occur depends on the gate's timing-driven choices; some always do at three requests)
+    assert all(row["unmeasured"] in ("prefill", "catch-up", "free") and row["seconds"] > 0 for row in unmeasured)
     for policy in ("dspark", "dspark-async"):  # the trace holds exactly the rounds the gate summarises
         rounds = [row for row in trace if row["policy"] == policy and "unmeasured" not in row]
         for r, m in report["draft_gate"][policy].items():
