@@ -106,8 +106,8 @@ def run_load_bench(args: argparse.Namespace) -> dict:
                                                "scheduler_share": [], "identical_to_none": []} for p in policies}
     gates = {p: policy_gate(p, block_size) for p in policies}
     trace = open(args.gate_trace, "w") if args.gate_trace else None  # written pass by pass, closed below
-    for gate in gates.values():
-        if gate is not None and trace is not None:
+    if trace is not None:
+        for gate in filter(None, gates.values()):
             gate.trace = []
     run_level(loaded, drafter, prompts[:1], policies[0], 1, 4, block_size, sps)  # warm-up
     for index, level in enumerate(levels):

@@ -217,8 +217,7 @@ class Engine:
         events, rounds = self._commit_all(self._forward(work))
         end = time.perf_counter()
         if self.gate is not None and prefilled:
-            unmeasured = ("prefill" if not decoding_only else "catch-up" if self._catching_up
-                          else "free" if len(self._free) >= len(prefilled) else None)  # free only: same in both modes
+            unmeasured = self._unmeasured(len(prefilled), decoding_only)
             if unmeasured is None:
                 self.gate.record(len(prefilled), self._gate_open, expected_tokens(rounds, events, self._free),
                                  end - start)
@@ -231,6 +230,17 @@ class Engine:
         for request in [r for r in self.running if r.finish_reason is not None]:
             self._finish(request, request.finish_reason)
         return events
+
+    def _unmeasured(self, num_requests: int, decoding_only: bool) -> str | None:
+        """Why the gate must not judge by this round (None: it may): a prompt chunk dwarfs the decode, a drafter
+        catching up pays once what a drafting round does not, and lookup drafts only are made in either mode."""
+        if not decoding_only:
+            return "prefill"
+        if self._catching_up:
+            return "catch-up"
+        if len(self._free) >= num_requests:
+            return "free"
+        return None
 
     def fail(self, request: Request, error: GenerationFailed) -> None:
         """End one request with `error` (logged with its cause); the others carry on."""

@@ -81,7 +81,7 @@ class DraftGate:
     rates: dict[int, dict[bool, _Rate]] = field(default_factory=dict)
     since_other: dict[int, int] = field(default_factory=dict)
     trying: dict[int, bool] = field(default_factory=dict)  # a mode retried, kept until one round of it is recorded
-    trace: list[dict] | None = None  # every recorded round, when a list is given (`dspark bench load --gate-trace`)
+    trace: list[dict] | None = None  # every round, measured or not, when a list is given (bench load --gate-trace)
 
     def __post_init__(self) -> None:
         if self.min_rounds < 1 or self.explore_every < 1:
