@@ -59,7 +59,10 @@ class DraftGate:
     `min_rounds`: rounds of each mode measured before the gate chooses (drafting first, the scheduler's own
     behaviour). `explore_every`: the losing mode is run once after this many rounds of the winner while the two
     are within 10%, once per `explore_every` more for every further 10% between them (at most 4x as rarely: a
-    clear loser is unlikely to overtake soon, and each retry costs its gap). `keep`: the weight of the past in
+    clear loser is unlikely to overtake soon, and each retry costs its gap), and twice as rarely again after each
+    retry that lost (at most 8x in all; a retry that wins resets it): at 8 requests a retry of drafting costs a
+    catch-up round and a drafting round ~50% slower than plain ones, and a batch spends most of its rounds there
+    (session 18). `keep`: the weight of the past in
     the moving averages, per round of either mode (0.9: about the last 10 rounds count). `share`: a number of
     requests R not seen yet starts from the nearest R' measured in both modes with |R - R'| <= max(1, share * R'),
     its tokens scaled by R / R' (so the same mode wins), instead of measuring both modes afresh: requests of a
@@ -80,6 +83,7 @@ class DraftGate:
     share: float = 0.25
     rates: dict[int, dict[bool, _Rate]] = field(default_factory=dict)
     since_other: dict[int, int] = field(default_factory=dict)
+    lost_retries: dict[int, int] = field(default_factory=dict)  # retries of the loser in a row that lost again
     trying: dict[int, bool] = field(default_factory=dict)  # a mode retried, kept until one round of it is recorded
     trace: list[dict] | None = None  # every round, measured or not, when a list is given (bench load --gate-trace)
 
@@ -94,9 +98,13 @@ class DraftGate:
             raise DsparkError(f"the draft gate's share must be >= 0, got {self.share}")
 
     def _rates(self, num_requests: int) -> dict[bool, _Rate]:
-        if num_requests not in self.rates:
-            self.rates[num_requests] = self._borrow(num_requests)
-        return self.rates[num_requests]
+        """This number of requests' averages; one with nothing of its own yet borrows again each time it is
+        asked (a neighbour may have been measured since: a batch's first round at R - 1, its last request still
+        in prefill, comes before any round at R, and would otherwise measure both modes on every batch)."""
+        rates = self.rates.get(num_requests)
+        if rates is None or not any(rate.rounds or rate.borrowed for rate in rates.values()):
+            self.rates[num_requests] = rates = self._borrow(num_requests)
+        return rates
 
     def _measured(self, num_requests: int) -> bool:
         """Measured in both modes at this number of requests itself (only such a one lends its averages)."""
@@ -114,22 +122,31 @@ class DraftGate:
         self.since_other[num_requests] = self.explore_every * (self._spacing(rates) - 1)  # retried explore_every on
         return {mode: rate.scaled(num_requests / lender) for mode, rate in rates.items()}
 
-    def _spacing(self, rates: dict[bool, _Rate]) -> int:
-        """Rounds between retries of the loser, in units of explore_every: the further apart, the rarer."""
+    def _spacing(self, rates: dict[bool, _Rate], lost: int = 0) -> int:
+        """Rounds between retries of the loser, in units of explore_every: the further apart, the rarer, and
+        doubled by each retry in a row that lost."""
         draft, plain = rates[True].throughput, rates[False].throughput
         gap = max(draft, plain) / max(min(draft, plain), 1e-9) - 1.0
-        return min(4, 1 + int(gap / 0.1))
+        return min(8, min(4, 1 + int(gap / 0.1)) * 2 ** lost)
 
-    def should_draft(self, num_requests: int) -> bool:
-        """Whether the next round with `num_requests` running requests drafts."""
+    def should_draft(self, num_requests: int, measured: bool = True) -> bool:
+        """Whether the next round with `num_requests` running requests drafts. `measured`: whether the engine
+        will record the round (False: it carries a prompt chunk); a round that cannot measure is not spent on
+        measuring or retrying a mode, it takes the best one known (drafting while neither is known)."""
         rates = self._rates(num_requests)
+        if not measured:
+            settled = {mode: rate.settled(self.min_rounds) for mode, rate in rates.items()}
+            if all(settled.values()):
+                return self._drafting_wins(rates, num_requests)
+            return settled[True] or not settled[False]  # plain decoding only if only it has an estimate
         for mode in (True, False):  # measure drafting first, then plain decoding
             if not rates[mode].settled(self.min_rounds):
                 return mode
         if num_requests in self.trying:  # the engine may not record a round (a prefill, a catch-up): try again
             return self.trying[num_requests]
         best = self._drafting_wins(rates, num_requests)
-        if self.since_other.get(num_requests, 0) >= self.explore_every * self._spacing(rates):
+        spacing = self._spacing(rates, self.lost_retries.get(num_requests, 0))
+        if self.since_other.get(num_requests, 0) >= self.explore_every * spacing:
             self.trying[num_requests] = not best
             return not best
         return best
@@ -150,8 +167,10 @@ class DraftGate:
         if self.trace is not None:
             self.trace.append({"num_requests": num_requests, "drafted": drafted, "tokens": round(tokens, 4),
                                "seconds": round(seconds, 6), "chosen": chosen})
-        if self.trying.get(num_requests) == drafted:
+        if self.trying.get(num_requests) == drafted:  # a retry's round: did the loser lose again?
             del self.trying[num_requests]
+            lost = self._drafting_wins(rates, num_requests) != drafted
+            self.lost_retries[num_requests] = min(3, self.lost_retries.get(num_requests, 0) + 1) if lost else 0
         self.since_other[num_requests] = self.since_other.get(num_requests, 0) + 1 if chosen and drafted == best else 0
 
     def unmeasured(self, num_requests: int, drafted: bool, reason: str, seconds: float) -> None:

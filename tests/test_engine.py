@@ -12,7 +12,8 @@ from dspark.drafters.base import Draft, NoDrafter
 from dspark.drafters.dspark import DSparkModel
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.dspark_drafter import DSparkDrafter
-from dspark.drafters.ngram import NgramDrafter
+from dspark.drafters.lookup_first import LookupFirstDrafter
+from dspark.drafters.ngram import NgramDrafter, ngram_lookup
 from dspark.engine import Engine, Request, expected_tokens, make_backend
 from dspark.errors import DsparkError
 from dspark.gate import DraftGate
@@ -431,6 +432,23 @@ def test_a_closed_draft_gate_skips_drafting_except_free_and_seeded_drafts(case):
         assert gate.summary()[1]["plain_rounds"] == 2 and gate.summary()[1]["draft_rounds"] == 2
 
 
+def test_a_closed_gate_does_not_measure_plain_rounds_that_verify_lookup_drafts():
+    """A plain round in which one request verifies a lookup draft costs more than plain decoding, and its lookup
+    counts one token: recorded, it would make plain decoding read slower than it is."""
+    target_table, _ = random_tables(8, seed=3)
+    drafter = FreeLookupDrafter(target_table)  # the request starting with 1 drafts for free, the one with 0 not
+    gate = DraftGate(min_rounds=2, explore_every=1000)
+    for drafted, seconds in ((True, 1.0), (True, 1.0), (False, 0.01), (False, 0.01)):  # closed at 2 requests
+        gate.record(2, drafted, 2, seconds)
+    gate.trace = []
+    engine = Engine(SerialBackend([MarkovTarget(target_table) for _ in range(2)]), drafter, block_size=4,
+                    scheduler="dspark", sps=SPSTable(tuple(1.0 / (1.0 + 0.05 * b) for b in range(1, 40))), gate=gate)
+    engine.run([Request(torch.tensor([first, 3]), 30) for first in (0, 1)])
+    at_two = [row for row in gate.trace if row["num_requests"] == 2]
+    assert at_two and all(row.get("unmeasured") == "free" and not row["drafted"] for row in at_two)
+    assert gate.summary()[2]["plain_rounds"] == 2
+
+
 def test_the_gate_does_not_measure_a_round_whose_drafter_catches_up_on_the_prompt():
     """A DSpark drafter absorbs a request's prompt features at its first draft (a lazy commit): that round costs
     what a drafting round does not, so the gate records only the rounds after it."""
@@ -444,6 +462,52 @@ def test_the_gate_does_not_measure_a_round_whose_drafter_catches_up_on_the_promp
     engine.run([request])
     assert request.stats.num_rounds >= 2
     assert gate.summary()[1]["draft_rounds"] == request.stats.num_rounds - 1
+
+
+def test_a_lookup_hit_is_not_counted_as_the_model_drafter_catching_up():
+    """A lookup hit runs no model, so the model's backlog (here the whole prompt) is not absorbed in its round:
+    that round is 'free' in the gate's trace, not 'catch-up' (session 17 read plain rounds with lookup hits at
+    8 requests as catch-up work)."""
+    model = tiny_model("llama", num_layers=2)
+    drafter = LookupFirstDrafter(random_dspark(model))
+    gate = DraftGate(min_rounds=1000, trace=[])
+    engine = Engine(make_backend(model, drafter.target_layer_ids, max_slots=1), drafter, block_size=4,
+                    scheduler="dspark", sps=SPSTable(tuple(1.0 / (1.0 + 0.01 * b) for b in range(1, 40))), gate=gate)
+    # "4 5 v" for every token v, then "4 5": whatever the prefill emits, the context ends in a 3-gram seen before
+    prompt = torch.tensor([t for v in range(VOCAB) for t in (4, 5, v)] + [4, 5])
+    assert all(len(ngram_lookup(torch.cat([prompt, torch.tensor([v])]), 4, 4, 3)) for v in range(VOCAB))
+    engine.add(Request(prompt, 8))
+    engine.step()  # the prefill
+    engine.step()  # the first decode round: a lookup draft, the model's prompt backlog untouched
+    assert gate.trace[-1]["unmeasured"] == "free"
+
+
+class SpyGate(DraftGate):
+    """A draft gate that remembers how the engine asked it."""
+
+    def __init__(self) -> None:
+        super().__init__(min_rounds=1)
+        self.asked: list[tuple[int, bool]] = []
+
+    def should_draft(self, num_requests: int, measured: bool = True) -> bool:
+        self.asked.append((num_requests, measured))
+        return super().should_draft(num_requests, measured)
+
+
+def test_the_engine_tells_the_gate_which_rounds_it_cannot_measure():
+    """A round that also carries a prompt chunk is not recorded, and the gate is told so before it decides."""
+    target_table, _ = random_tables(8, seed=3)
+    gate = SpyGate()
+    engine = Engine(SerialBackend([MarkovTarget(target_table) for _ in range(2)]), CountingDrafter(target_table, 0.9),
+                    block_size=4, scheduler="dspark", sps=SPSTable(tuple(1.0 / (1.0 + 0.05 * b) for b in range(1, 40))),
+                    prefill_chunk=4, gate=gate)
+    short, long = Request(torch.tensor([1, 3]), 40), Request(torch.arange(12) % 8, 12)
+    engine.run([short, long])
+    # prompt chunks of 4 tokens in all per round: 2 + 2, then the long prompt's 4, 4, 2 beside the short's decode
+    assert gate.asked[:3] == [(1, False)] * 3
+    assert gate.asked[3] == (2, True) and all(measured for r, measured in gate.asked[3:])
+    measured_rounds = sum(s["draft_rounds"] + s["plain_rounds"] for s in gate.summary().values())
+    assert measured_rounds == len(gate.asked) - 3  # every decode-only round, none of the three
 
 
 def test_the_gate_is_given_the_tokens_a_round_expects_from_its_confidences():
@@ -463,7 +527,7 @@ class AlternatingGate:
     def __init__(self) -> None:
         self.rounds = 0
 
-    def should_draft(self, num_requests: int) -> bool:
+    def should_draft(self, num_requests: int, measured: bool = True) -> bool:
         self.rounds += 1
         return self.rounds % 2 == 0
 

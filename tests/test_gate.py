@@ -21,18 +21,22 @@ def play(gate: DraftGate, rounds: int, costs: dict[bool, tuple[int, float]], num
 
 def test_measures_drafting_then_plain_then_keeps_the_faster_and_retries_the_other():
     gate = DraftGate(min_rounds=2, explore_every=4)
-    choices = play(gate, 30, {True: DRAFT, False: PLAIN})
+    choices = play(gate, 60, {True: DRAFT, False: PLAIN})
     assert choices[:4] == [True, True, False, False]
-    assert choices[4:] == ([False] * 12 + [True]) * 2
+    # retried after 3 x explore_every rounds (24% apart), then twice as rarely after each retry that lost again
+    assert choices[4:] == [False] * 12 + [True] + [False] * 24 + [True] + [False] * 18
     summary = gate.summary()[8]
     assert summary["plain"] == pytest.approx(160.0) and summary["draft"] == pytest.approx(9 / 0.07, abs=0.01)
-    assert summary["draft_rounds"] + summary["plain_rounds"] == 30
+    assert summary["draft_rounds"] + summary["plain_rounds"] == 60
+    later = play(gate, 300, {True: DRAFT, False: PLAIN})
+    retries = [i for i, drafted in enumerate(later) if drafted]
+    assert {b - a for a, b in zip(retries[:-1], retries[1:], strict=True)} == {33}  # 8 x explore_every apart
 
 
 def test_keeps_drafting_where_drafting_is_faster_and_retries_a_close_loser_sooner():
     choices = play(DraftGate(min_rounds=1, explore_every=8), 28, {True: (12, 0.07), False: PLAIN})  # 7% apart
     assert choices[:2] == [True, False]
-    assert choices[2:] == ([True] * 8 + [False]) * 2 + [True] * 8
+    assert choices[2:] == [True] * 8 + [False] + [True] * 16 + [False]
     choices = play(DraftGate(min_rounds=1, explore_every=8), 40, {True: (40, 0.07), False: PLAIN})  # 3.6x
     assert choices[2:] == [True] * 32 + [False] + [True] * 5
 
@@ -41,9 +45,9 @@ def test_switches_when_drafting_starts_to_pay():
     gate = DraftGate(min_rounds=2, explore_every=4)
     play(gate, 20, {True: DRAFT, False: PLAIN})
     assert not gate.should_draft(8)
-    choices = play(gate, 20, {True: (30, 0.07), False: PLAIN})  # e.g. the text turned repetitive
-    first = choices.index(True)
-    assert first <= 12 and all(choices[first:first + 4])
+    choices = play(gate, 30, {True: (30, 0.07), False: PLAIN})  # e.g. the text turned repetitive
+    first = choices.index(True)  # the next retry: 6 x explore_every after the one that lost
+    assert first <= 24 and all(choices[first:first + 4])
 
 
 def test_each_number_of_requests_is_judged_on_its_own():
@@ -127,3 +131,42 @@ def test_a_number_of_requests_near_a_measured_one_starts_from_its_choice():
     unshared = DraftGate(min_rounds=2, explore_every=4, share=0.0)
     play(unshared, 8, {True: DRAFT, False: PLAIN})
     assert unshared.should_draft(7) is True  # share 0: every R measures on its own, drafting first
+
+
+def test_a_number_of_requests_first_seen_before_its_neighbour_was_measured_borrows_once_it_is():
+    """A batch's first decode round runs at R - 1 while its last prompt is still in prefill, before any round at R:
+    that R - 1 must not stay unmeasured (and so measure both modes again on every batch)."""
+    gate = DraftGate(min_rounds=2, explore_every=4)
+    assert gate.should_draft(7, measured=False) is True  # nothing known anywhere: drafting, the scheduler's own
+    play(gate, 8, {True: DRAFT, False: PLAIN})  # then 8 requests measure plain 24% faster
+    assert gate.should_draft(7) is False and gate.rates[7][False].borrowed
+
+
+def test_a_round_the_engine_cannot_measure_is_not_spent_measuring_or_retrying():
+    """A round that carries a prompt chunk is not recorded, so it takes the best mode known: not drafting first on
+    a fresh R (once plain decoding is known to win), not the retry of the loser (which waits for a measured round)."""
+    gate = DraftGate(min_rounds=2, explore_every=4)
+    play(gate, 4, {True: DRAFT, False: PLAIN})  # measured: plain decoding wins at 8
+    plain_rounds = 0
+    while not gate.should_draft(8):  # plain rounds until the loser's retry is due
+        gate.record(8, False, *PLAIN)
+        plain_rounds += 1
+    assert plain_rounds == 12  # 3 x explore_every: plain 24% faster
+    assert gate.should_draft(8, measured=False) is False  # the retry is due, but an unmeasured round takes the winner
+    assert gate.should_draft(8) is True  # and the retry waits for the next measured round
+    fast = DraftGate(min_rounds=2, explore_every=4)
+    play(fast, 4, {True: PLAIN, False: DRAFT})  # here drafting wins
+    assert fast.should_draft(8, measured=False) is True
+    unsettled = DraftGate(min_rounds=2, explore_every=4)
+    play(unsettled, 1, {True: DRAFT, False: PLAIN})
+    assert unsettled.should_draft(8, measured=False) is True  # only drafting measured (once): keep drafting
+
+
+def test_a_retry_that_wins_resets_the_wait():
+    gate = DraftGate(min_rounds=1, explore_every=2)
+    play(gate, 12, {True: DRAFT, False: PLAIN})  # drafting retried and lost: its retries now wait longer
+    assert gate.lost_retries[8] >= 1
+    while not gate.should_draft(8):
+        gate.record(8, False, *PLAIN)
+    gate.record(8, True, 30, 0.07)  # the retry wins by far: drafting takes over
+    assert gate.lost_retries[8] == 0 and gate.should_draft(8)
