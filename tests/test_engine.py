@@ -397,11 +397,12 @@ def test_planning_schedulers_draft_only_for_requests_they_will_verify(scheduler,
         assert drafter.proposals[1] <= 2 + hopeless // PROBE_EVERY < hopeless // 4
 
 
-def closed_gate() -> DraftGate:
-    """A gate that measured plain rounds 100x faster than drafting ones (and explores only after 1000 rounds)."""
+def closed_gate(num_requests: int = 1) -> DraftGate:
+    """A gate that measured plain rounds 100x faster than drafting ones at `num_requests` (and explores only after
+    1000 rounds)."""
     gate = DraftGate(min_rounds=2, explore_every=1000)
     for drafted, seconds in ((True, 1.0), (True, 1.0), (False, 0.01), (False, 0.01)):
-        gate.record(1, drafted, 1, seconds)
+        gate.record(num_requests, drafted, 1, seconds)
     return gate
 
 
@@ -437,9 +438,7 @@ def test_a_closed_gate_does_not_measure_plain_rounds_that_verify_lookup_drafts()
     counts one token: recorded, it would make plain decoding read slower than it is."""
     target_table, _ = random_tables(8, seed=3)
     drafter = FreeLookupDrafter(target_table)  # the request starting with 1 drafts for free, the one with 0 not
-    gate = DraftGate(min_rounds=2, explore_every=1000)
-    for drafted, seconds in ((True, 1.0), (True, 1.0), (False, 0.01), (False, 0.01)):  # closed at 2 requests
-        gate.record(2, drafted, 2, seconds)
+    gate = closed_gate(num_requests=2)
     gate.trace = []
     engine = Engine(SerialBackend([MarkovTarget(target_table) for _ in range(2)]), drafter, block_size=4,
                     scheduler="dspark", sps=SPSTable(tuple(1.0 / (1.0 + 0.05 * b) for b in range(1, 40))), gate=gate)
