@@ -40,6 +40,15 @@ def test_bad_generate_arguments(capsys, argv, message):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--score", "--resume", "data=c.safetensors", "init_from=d"], "--score and --resume exclude"),
+    (["train", "--score", "data=c.safetensors"], "set init_from=CHECKPOINT"),
+])
+def test_bad_score_arguments(capsys, argv, message):
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and err.startswith("error: ") and message in err
+
+
 def test_corrupt_target_directory(capsys, tmp_path):
     (tmp_path / "config.json").write_text("{ not json")
     code, _, err = run_cli(capsys, "generate", "hi", "--target", str(tmp_path))

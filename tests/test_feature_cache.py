@@ -475,6 +475,7 @@ def test_online_training_is_the_cached_training(cached_run):
     cached = train(cached_config(cached_run, "cached_ref"))
     result = train(cached_config(cached_run, "online", **online))
     assert result["eval_blocks"] == cached["eval_blocks"]
+    assert "eval_rollout_tau" not in result  # 6 anchors a sequence: no rollout path to follow
     assert result["eval_tau_greedy"] == pytest.approx(cached["eval_tau_greedy"], abs=0.05)
     assert result["eval_loss"] == pytest.approx(cached["eval_loss"], rel=1e-2)
     reference = load_file(str(cached_run / "cached_ref" / "final" / "model.safetensors"))
@@ -492,6 +493,59 @@ def test_online_training_is_the_cached_training(cached_run):
     resumed = load_file(str(cached_run / "online_cut" / "final" / "model.safetensors"))
     for name in weights:
         assert torch.equal(weights[name], resumed[name]), name
+
+
+def corpus_of(corpus: Corpus, indices: list[int], sources: list[int] | None = None) -> Corpus:
+    """The samples `indices` of `corpus`, in that order (under the given source indices)."""
+    pieces = [corpus.tokens[corpus.offsets[i] : corpus.offsets[i + 1]] for i in indices]
+    offsets = np.cumsum([0] + [len(piece) for piece in pieces])
+    names = sorted(set(sources)) if sources else [0]
+    return Corpus(np.concatenate(pieces), offsets.astype(np.int64), corpus.prompt_lengths[indices],
+                  corpus.finished[indices], np.array(sources or [0] * len(indices), dtype=np.uint8),
+                  [corpus.ids[i] for i in indices], [f"source{n}" for n in names], dict(corpus.meta))
+
+
+def test_score_reads_what_the_heldout_evaluation_read(cached_run):
+    """`dspark train --score` on a corpus of the held-out samples gives the trainer's own final held-out
+    metrics for the checkpoint it wrote (float32 weights: the same numbers), overall and, over two sources,
+    per source; every anchor is scored (anchors_per_seq above the longest answer)."""
+    from dspark.train.corpus import load_corpus
+    from dspark.train.trainer import score, split_examples
+
+    online = dict(feature_cache=None, online_features=True, top_k=8, seq_len=32, anchors_per_seq=32,
+                  save_dtype="float32")
+    trained = train(cached_config(cached_run, "to_score", **online))
+    corpus = load_corpus(cached_run / "corpus.safetensors")
+    examples = cached_examples(corpus, FeatureCache.open(cached_run / "cache"))
+    held = [examples[i].index for i in split_examples(cached_config(cached_run, "x", **online), examples)[1]]
+    assert len(held) >= 3
+    save_corpus(cached_run / "held.safetensors", corpus_of(corpus, held, [k % 2 for k in range(len(held))]))
+    scored = score(cached_config(cached_run, "unused", **online, data=str(cached_run / "held.safetensors"),
+                                 init_from=str(cached_run / "to_score" / "final")))
+    for name in ("eval_loss", "eval_ce", "eval_tau", "eval_tau_greedy", "eval_blocks", "eval_rollout_tau",
+                 "eval_rollout_tau_greedy"):
+        assert scored[name] == pytest.approx(trained[name], rel=1e-5), name
+    assert scored["eval_rollout_tau_greedy"] >= 1.0 and scored["eval_rollout_tau"] >= 1.0
+    parts = scored["sources"]
+    assert sorted(parts) == ["source0", "source1"]
+    assert sum(part["eval_blocks"] for part in parts.values()) == scored["eval_blocks"]
+    mean_tau = sum(part["eval_tau"] * part["eval_blocks"] for part in parts.values()) / scored["eval_blocks"]
+    assert mean_tau == pytest.approx(scored["eval_tau"], rel=1e-6)
+    train(cached_config(cached_run, "to_score_early", **online, max_steps=1))  # another drafter: other numbers
+    early = score(cached_config(cached_run, "unused", **online, data=str(cached_run / "held.safetensors"),
+                                init_from=str(cached_run / "to_score_early" / "final")))
+    assert early["eval_blocks"] == scored["eval_blocks"] and early["eval_loss"] != pytest.approx(scored["eval_loss"])
+
+
+def test_score_needs_a_checkpoint_and_a_corpus(cached_run):
+    from dspark.errors import DsparkError
+    from dspark.train.trainer import score
+
+    online = dict(feature_cache=None, online_features=True, top_k=8, seq_len=32)
+    with pytest.raises(DsparkError, match="init_from"):
+        score(cached_config(cached_run, "unused", **online))
+    with pytest.raises(DsparkError, match="reads a corpus"):
+        score(cached_config(cached_run, "unused", data="chats.jsonl", feature_cache=None, init_from="somewhere"))
 
 
 def test_online_features_need_a_corpus_and_no_cache():

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
@@ -27,6 +28,7 @@ from dspark.train.losses import (
     LossWeights,
     acceptance_probability,
     block_loss,
+    chained_rounds,
     expected_tau,
     position_weights,
 )
@@ -118,6 +120,50 @@ def test_expected_tau():
     assert expected_tau(tv).item() == pytest.approx((4 + 1.875 + 1) / 3)
     valid = torch.tensor([[True, True, False], [True, True, True], [False, False, False]])
     assert expected_tau(tv, valid).item() == pytest.approx((3 + 1.875) / 2)
+
+
+def answer_accept(probabilities: torch.Tensor, gamma: int) -> torch.Tensor:
+    """(A, γ) acceptance of the drafts from every anchor of an answer with A + 1 tokens, draft k at anchor a
+    accepted with probabilities[a + k - 1] (a position's difficulty) and never past the answer's end."""
+    num_anchors = len(probabilities) - 1
+    accept = torch.zeros(num_anchors, gamma, dtype=torch.float64)
+    for a in range(num_anchors):
+        for k in range(min(gamma, num_anchors - a)):
+            accept[a, k] = probabilities[a + k + 1]
+    return accept
+
+
+def test_chained_rounds_follows_a_greedy_rollout():
+    """At T = 0 the chain is the rollout: all drafts right -> rounds of γ + 1 tokens; all wrong -> one token a
+    round; an easy stretch is crossed in few rounds, so its tokens per round fall below the all-anchor mean."""
+    tokens, rounds = chained_rounds(answer_accept(torch.ones(17), gamma=7))
+    assert (tokens, rounds) == (16.0, 2.0)  # anchors 0 and 8, each committing 7 drafts + the bonus
+    tokens, rounds = chained_rounds(answer_accept(torch.zeros(17), gamma=7))
+    assert (tokens, rounds) == (16.0, 16.0)
+    difficulty = torch.tensor([1.0] * 9 + [0.0] * 8)  # easy first half, then every draft wrong
+    accept = answer_accept(difficulty, gamma=7)
+    tokens, rounds = chained_rounds(accept)
+    assert (tokens, rounds) == (16.0, 9.0)  # one round of 8 over the easy half, then one token a round
+    all_anchor_mean = (1 + accept.cumprod(-1).sum(-1)).mean().item()
+    assert tokens / rounds < all_anchor_mean
+
+
+def test_chained_rounds_is_the_expected_sampled_rollout():
+    """At T = 1 (acceptance probabilities) tokens / rounds is the ratio of a simulated rollout's totals."""
+    generator = torch.Generator().manual_seed(0)
+    accept = answer_accept(torch.rand(41, generator=generator), gamma=4)
+    tokens, rounds = chained_rounds(accept)
+    rng = np.random.default_rng(0)
+    total_tokens = total_rounds = 0
+    for _ in range(4000):
+        a = 0
+        while a < len(accept):
+            accepted = 0
+            while accepted < 4 and rng.random() < accept[a, accepted]:
+                accepted += 1
+            total_tokens, total_rounds, a = total_tokens + accepted + 1, total_rounds + 1, a + accepted + 1
+    assert tokens / rounds == pytest.approx(total_tokens / total_rounds, rel=0.01)
+    assert tokens == pytest.approx(total_tokens / 4000, rel=0.01)
 
 
 # -- anchors ---------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`dspark train --config FILE.yaml [--resume [CHECKPOINT]] [--drafter-type T] [key=value ...]`."""
+"""`dspark train --config FILE.yaml [--resume [CHECKPOINT] | --score] [--drafter-type T] [key=value ...]`."""
 
 import argparse
 
@@ -16,6 +16,10 @@ def add_train_parser(subparsers) -> None:
                         help="continue from the newest checkpoint in output_dir, or from the given checkpoint")
     parser.add_argument("--drafter-type", choices=DRAFTER_TYPES, default=None,
                         help="overrides drafter_type of the config")
+    parser.add_argument("--score", action="store_true",
+                        help="do not train: score the drafter init_from on every sample of the corpus data, "
+                             "teacher-forced (the held-out metrics, overall and per source), e.g. two drafters on "
+                             "one corpus of the target's answers to the same prompts: a paired comparison")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     parser.set_defaults(handler=run_train)
 
@@ -24,10 +28,13 @@ def run_train(args: argparse.Namespace) -> None:
     import json
     import os
 
+    from dspark.errors import DsparkError
     from dspark.train.config import load_config
-    from dspark.train.trainer import train
+    from dspark.train.trainer import score, train
 
     config = load_config(args.config, args.overrides, drafter_type=args.drafter_type)
-    result = train(config, resume=args.resume)
+    if args.score and args.resume:
+        raise DsparkError("--score and --resume exclude each other (--score does not train)")
+    result = score(config) if args.score else train(config, resume=args.resume)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result))

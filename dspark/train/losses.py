@@ -125,6 +125,26 @@ def expected_tau(tv: torch.Tensor, valid: torch.Tensor | None = None) -> torch.T
     return taus[keep].mean() if keep.any() else taus.new_tensor(1.0)
 
 
+def chained_rounds(accept: torch.Tensor) -> tuple[float, float]:
+    """Expected (tokens, rounds) of a rollout over one answer whose every position is an anchor: `accept`
+    (A, γ) holds, for the anchors in position order, the probability that draft k is accepted once drafts
+    1..k−1 were (0/1 at T = 0). A round at anchor a that accepts L drafts commits L + 1 tokens and the next
+    round starts at a + L + 1. The mean of `block_tau` over every anchor weighs each position once, but a
+    rollout visits few positions where the drafts run long (one round covers L + 1 of them), so that mean
+    overstates a rollout's tokens per round more the longer the runs; tokens / rounds here is the rollout's
+    own ratio (exact at T = 0, in expectation over the acceptance draws at T = 1)."""
+    num_anchors, gamma = accept.shape
+    survive = accept.double().clamp(0.0, 1.0).cumprod(-1)  # P(L ≥ k), k = 1..γ
+    at_least = torch.cat([survive.new_ones(num_anchors, 1), survive], 1)  # P(L ≥ l), l = 0..γ
+    length_p = (at_least - torch.cat([survive, survive.new_zeros(num_anchors, 1)], 1)).tolist()  # P(L = n)
+    tokens, rounds = [0.0] * (num_anchors + gamma + 2), [0.0] * (num_anchors + gamma + 2)
+    for a in range(num_anchors - 1, -1, -1):
+        probs = length_p[a]
+        rounds[a] = 1.0 + sum(p * rounds[a + n + 1] for n, p in enumerate(probs))
+        tokens[a] = sum(p * (n + 1 + tokens[a + n + 1]) for n, p in enumerate(probs))
+    return tokens[0], rounds[0]
+
+
 @dataclass
 class TopKTeacher:
     """The target's next-token distribution as cached: its k most likely ids (..., k), their logits
