@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dspark.errors import DsparkError
-from dspark.train.anchors import anchor_seed, block_labels, target_positions
+from dspark.train.anchors import anchor_seed, block_labels, candidate_anchors, target_positions
 from dspark.train.cached_data import (
     CachedBatch,
     CachedExample,
@@ -247,7 +247,8 @@ def evaluate(run: Run, drafter_forward: nn.Module, examples: list) -> dict:
             sums["tau_greedy"] += (1 + greedy.long().cumprod(-1).sum(-1))[keep].sum().item()
             accepted_greedy += greedy.sum((0, 1)).double()
         for b in range(len(indices)):
-            chained = chained_sums(batch.anchors[b], batch.keep[b], out.soft_label[b] * valid[b],
+            chained = chained_sums(batch.anchors[b], batch.keep[b], candidate_anchors(batch.answer_mask[b]).numel(),
+                                   out.soft_label[b] * valid[b],
                                    None if greedy is None else (greedy[b] & valid[b]).float())
             for name, value in (chained or {"chains_broken": 1.0}).items():
                 sums[name] += value
@@ -267,13 +268,12 @@ def evaluate(run: Run, drafter_forward: nn.Module, examples: list) -> dict:
     return result
 
 
-def chained_sums(anchors: torch.Tensor, keep: torch.Tensor, accept: torch.Tensor,
+def chained_sums(anchors: torch.Tensor, keep: torch.Tensor, num_candidates: int, accept: torch.Tensor,
                  accept_greedy: torch.Tensor | None) -> dict[str, float] | None:
-    """One sequence's `chained_rounds` at T = 1 (and T = 0): None unless its anchors are consecutive
-    positions (every answer position an anchor), the only case in which a rollout's path is defined."""
+    """One sequence's `chained_rounds` at T = 1 (and T = 0): None unless every one of its `num_candidates`
+    possible anchors is an anchor, the only case in which a rollout's path is defined."""
     order = anchors[keep].argsort()
-    positions = anchors[keep][order]
-    if len(positions) == 0 or bool((positions.diff() != 1).any()):
+    if len(order) == 0 or len(order) != num_candidates:
         return None
     picked = keep.nonzero().flatten()[order]
     tokens, rounds = chained_rounds(accept[picked])
