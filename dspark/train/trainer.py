@@ -17,7 +17,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -216,13 +216,18 @@ def train_step(run: Run, batch: Batch | CachedBatch, module: nn.Module, drafter:
     return out, valid, grad_norm
 
 
-@torch.no_grad()
 def evaluate(run: Run, drafter_forward: nn.Module, examples: list) -> dict:
     """Held-out loss terms, expected τ at T = 1 (from the acceptance probabilities 1 − TV) and, with a
     feature cache, at T = 0 (teacher-forced argmax agreement), and per-position acceptance, over all
-    ranks, on fixed anchors."""
+    ranks, on fixed anchors (the first `max_eval_sequences` examples)."""
+    return evaluation_metrics(run, evaluation_sums(run, drafter_forward, examples[: run.config.max_eval_sequences]))
+
+
+@torch.no_grad()
+def evaluation_sums(run: Run, drafter_forward: nn.Module, examples: list) -> dict:
+    """The sums `evaluation_metrics` divides, over all ranks: sums of disjoint example sets add up."""
     config, d = run.config, run.dist
-    mine = list(range(d.rank, min(len(examples), config.max_eval_sequences), d.world))
+    mine = list(range(d.rank, len(examples), d.world))
     per_rank = max(config.batch_size // d.world, 1)
     gamma = config.block_size
     names = ("loss", "ce", "tv", "conf", "weight", "tau", "tau_greedy", "blocks", "chain_tokens", "chain_rounds",
@@ -253,7 +258,13 @@ def evaluate(run: Run, drafter_forward: nn.Module, examples: list) -> dict:
             for name, value in (chained or {"chains_broken": 1.0}).items():
                 sums[name] += value
     sums = {name: float(value) for name, value in d.sum_fields(sums).items()}
-    accepted, accepted_greedy, counted = (d.sum(t) for t in (accepted, accepted_greedy, counted))
+    sums.update(accepted=d.sum(accepted), accepted_greedy=d.sum(accepted_greedy), counted=d.sum(counted))
+    return sums
+
+
+def evaluation_metrics(run: Run, sums: dict) -> dict:
+    """The held-out metrics from `evaluation_sums`."""
+    accepted, accepted_greedy, counted = sums["accepted"], sums["accepted_greedy"], sums["counted"]
     w, blocks = max(sums["weight"], 1e-6), max(sums["blocks"], 1.0)
     result = {f"eval_{n}": sums[n] / w for n in ("loss", "ce", "tv", "conf")}
     result.update(eval_tau=sums["tau"] / blocks, eval_blocks=sums["blocks"])
@@ -460,20 +471,17 @@ def score(config: TrainConfig) -> dict:
     if d.world > 1:
         raise DsparkError("scoring runs in one process (not under torchrun)")
     prepared = setup(config, d)
-    prepared.run.config = config = replace(config, max_eval_sequences=len(prepared.examples))
     prepared.drafter.eval()
     module = BlockForward(prepared.drafter, prepared.spec.blocks)
     corpus = load_corpus(config.data)
     by_source: dict[str, list] = {}
     for example in prepared.examples:
         by_source.setdefault(corpus.sources[corpus.source_index[example.index]], []).append(example)
-    result = evaluate(prepared.run, module, prepared.examples)
-    result["sources"] = {}
-    for source, examples in sorted(by_source.items()):
-        prepared.run.config = replace(config, max_eval_sequences=len(examples))
-        result["sources"][source] = evaluate(prepared.run, module, examples)
+    parts = {source: evaluation_sums(prepared.run, module, examples) for source, examples in sorted(by_source.items())}
+    total = {name: sum(part[name] for part in parts.values()) for name in next(iter(parts.values()))}
     d.close()
-    return result
+    return {**evaluation_metrics(prepared.run, total),
+            "sources": {source: evaluation_metrics(prepared.run, part) for source, part in parts.items()}}
 
 
 def split_examples(config: TrainConfig, examples: list) -> tuple[list[int], list[int]]:
