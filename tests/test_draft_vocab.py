@@ -9,6 +9,7 @@ from torch import nn
 from dspark.drafters.dspark import DSparkModel
 from dspark.drafters.dspark_config import DSparkConfig
 from dspark.drafters.vocab import (
+    carry_rows,
     check_target_ids,
     count_tokens,
     coverage,
@@ -54,6 +55,15 @@ def test_coverage_and_counts():
         coverage(np.zeros(4), [1])
     with pytest.raises(ValueError, match="outside"):
         count_tokens(torch.tensor([5]), 5)
+
+
+def test_carry_rows_keeps_the_rows_of_kept_ids_and_zeros_new_ones():
+    rows = torch.arange(12.0).reshape(4, 3)  # draft ids 0..3 = target ids 2, 5, 7, 9
+    carried = carry_rows(rows, torch.tensor([2, 5, 7, 9]), torch.tensor([1, 5, 9, 11, 12]))
+    assert torch.equal(carried, torch.stack([torch.zeros(3), rows[1], rows[3], torch.zeros(3), torch.zeros(3)]))
+    assert torch.equal(carry_rows(rows, torch.tensor([2, 5, 7, 9]), torch.tensor([5, 7])), rows[1:3])
+    with pytest.raises(ValueError, match="rows for a vocabulary"):
+        carry_rows(rows, torch.tensor([2, 5]), torch.tensor([2]))
 
 
 def test_eagle3_maps():

@@ -11,6 +11,7 @@ import torch
 from conftest import tiny_model
 from safetensors.torch import load_file
 
+from dspark.errors import DsparkError
 from dspark.train.cached_data import CachedExample, answer_mask, cached_examples, make_cached_batch, token_counts
 from dspark.train.checkpointing import STATE_FILE, checkpoints
 from dspark.train.corpus import Corpus, save_corpus
@@ -414,6 +415,43 @@ def test_cached_training_with_a_reduced_draft_vocabulary(cached_run):
     assert len(ids) == 40 and model.reduced_vocab
     most = np.argsort(-counts, kind="stable")[:20]
     assert set(most.tolist()) <= set(ids.tolist())
+
+
+def test_refresh_draft_vocab_chooses_it_again_and_carries_the_trained_rows(cached_run):
+    """A checkpoint whose draft vocabulary was chosen on another corpus (here: rare ids) gets this corpus's
+    most frequent answer tokens, at another size; ids it keeps keep their trained Markov rows, new ids start
+    at zero, every other weight is the checkpoint's, and the refreshed drafter trains and saves."""
+    from dspark.drafters.checkpoint import load_model
+    from dspark.train.corpus import load_corpus
+    from dspark.train.drafter_specs import _dspark_save
+    from dspark.train.trainer import _prepare, setup
+
+    train(cached_config(cached_run, "to_refresh", draft_vocab_size=40, max_steps=3, save_every=3, eval_every=3))
+    stale = load_model(cached_run / "to_refresh" / "final", dtype=torch.float32)
+    counts = token_counts(load_corpus(cached_run / "corpus.safetensors"), 96)
+    by_frequency = np.argsort(-counts, kind="stable")
+    stale.set_draft_vocab(torch.as_tensor(np.concatenate([by_frequency[:10], by_frequency[-30:]])))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        stale.markov_head.markov_w2.weight.copy_(torch.randn_like(stale.markov_head.markov_w2.weight))
+    _dspark_save(stale, cached_run / "stale", torch.float32)
+
+    config = cached_config(cached_run, "refreshed", init_from=str(cached_run / "stale"), draft_vocab_size=48,
+                           refresh_draft_vocab=True, max_steps=2, save_every=2, eval_every=2)
+    d = _prepare(config)
+    drafter = setup(config, d).drafter
+    d.close()
+    ids = drafter.draft_to_target()
+    assert len(ids) == 48 and set(by_frequency[:30].tolist()) <= set(ids.tolist())
+    old_row = {int(t): row for t, row in zip(stale.draft_to_target(), stale.markov_head.markov_w2.weight, strict=True)}
+    for row, target_id in zip(drafter.markov_head.markov_w2.weight, ids.tolist(), strict=True):
+        assert torch.equal(row, old_row[target_id]) if target_id in old_row else not row.any()
+    assert torch.equal(drafter.fc.weight, stale.fc.weight)
+    assert train(config)["eval_tau_greedy"] >= 1.0
+    saved = load_model(cached_run / "refreshed" / "final", dtype=torch.float32)
+    assert torch.equal(saved.draft_to_target(), ids)
+    with pytest.raises(DsparkError, match="refresh_draft_vocab"):
+        cached_config(cached_run, "x", refresh_draft_vocab=True, draft_vocab_size=48)  # no init_from
 
 
 def test_heldout_samples_are_the_ones_training_holds_out(built):

@@ -60,6 +60,23 @@ def coverage(counts: np.ndarray | torch.Tensor, ids: np.ndarray | torch.Tensor) 
     return float(counts[_as_tensor(ids).long()].sum()) / total
 
 
+def carry_rows(rows: torch.Tensor, old_ids: torch.Tensor, new_ids: torch.Tensor) -> torch.Tensor:
+    """Rows (Vd_old, ...) indexed by the draft ids of the vocabulary `old_ids` (target ids, draft order)
+    re-indexed for the vocabulary `new_ids`: an id in both keeps its trained row, a new id gets zeros (a
+    Markov W2 row of zero adds nothing to the frozen head's logit, so it starts as the target's head alone)."""
+    old_ids, new_ids = old_ids.long().to(rows.device), new_ids.long().to(rows.device)
+    if rows.shape[0] != old_ids.shape[0]:
+        raise ValueError(f"{rows.shape[0]} rows for a vocabulary of {old_ids.shape[0]} ids")
+    size = int(max(old_ids.max(), new_ids.max())) + 1
+    draft_id = torch.full((size,), -1, dtype=torch.long, device=rows.device)
+    draft_id[old_ids] = torch.arange(old_ids.shape[0], device=rows.device)
+    source = draft_id[new_ids]
+    kept = source >= 0
+    carried = rows.new_zeros(new_ids.shape[0], *rows.shape[1:])
+    carried[kept] = rows[source[kept]]
+    return carried
+
+
 def offsets_from_ids(target_ids: torch.Tensor) -> torch.Tensor:
     """d2t (Vd,) int64 for ascending target ids: d2t[i] = target_ids[i] - i."""
     target_ids = target_ids.long()

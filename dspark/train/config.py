@@ -33,6 +33,7 @@ class TrainConfig:
     online_features: bool = False  # corpus `data`, the cache's features and top-k teacher computed per batch
     top_k: int = 32  # teacher tokens per position with online_features (a cache keeps its own)
     draft_vocab_size: int | None = None  # any drafter: LM head over the N most frequent answer tokens (EAGLE-3 style)
+    refresh_draft_vocab: bool = False  # with init_from: choose the draft vocabulary again on `data` (Markov rows carry)
     last_context_input: bool = False  # DSpark/DFlash: slots also read the projected feature before the anchor
     heldout_fraction: float = 0.02
     max_eval_sequences: int = 64
@@ -94,6 +95,11 @@ class TrainConfig:
             raise DsparkError(f"autocast must be none, auto, bfloat16 or float16, got {self.autocast!r}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
             raise DsparkError(f"draft_vocab_size must be >= 2, got {self.draft_vocab_size}")
+        if self.refresh_draft_vocab and not (self.init_from and self.draft_vocab_size and self.reads_corpus
+                                             and self.drafter_type in ("dspark", "dflash")):
+            raise DsparkError("refresh_draft_vocab chooses a DSpark/DFlash checkpoint's draft vocabulary again on a "
+                              "corpus: it needs init_from, draft_vocab_size and a corpus (feature_cache or "
+                              "online_features)")
         if self.online_features and self.feature_cache:
             raise DsparkError("online_features computes what feature_cache would read: set one of them, not both")
         if self.online_features and not str(self.data).endswith(".safetensors"):

@@ -25,13 +25,15 @@ BlocksFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], tuple
 class DrafterSpec:
     """What the training loop needs to know about one drafter type."""
 
-    build: Callable[[TrainConfig, nn.Module], nn.Module]  # fresh drafter for (config, HF target)
+    # fresh drafter for (config, HF target); DSpark/DFlash also take `draft_vocab`, see `init_from_checkpoint`
+    build: Callable[..., nn.Module]
     blocks: BlocksFn
     save: Callable[[nn.Module, Path, torch.dtype], None]
     weights: LossWeights  # default loss weights
 
 
-def _dspark_build(config: TrainConfig, target: nn.Module, dflash: bool = False) -> nn.Module:
+def _dspark_build(config: TrainConfig, target: nn.Module, dflash: bool = False,
+                  draft_vocab: torch.Tensor | None = None) -> nn.Module:
     from dspark.drafters.dspark import DSparkModel
     from dspark.drafters.dspark_config import DSparkConfig
 
@@ -56,7 +58,7 @@ def _dspark_build(config: TrainConfig, target: nn.Module, dflash: bool = False) 
         raise DsparkError(f"invalid drafter config: {error}") from error
     drafter = DSparkModel(drafter_config, target.get_input_embeddings(), target.get_output_embeddings())
     if config.init_from:
-        init_from_checkpoint(drafter, config.init_from)
+        init_from_checkpoint(drafter, config.init_from, draft_vocab)
         return drafter
     if config.init_from_target:
         init_from_target(drafter, target)
@@ -65,12 +67,16 @@ def _dspark_build(config: TrainConfig, target: nn.Module, dflash: bool = False) 
 
 
 @torch.no_grad()
-def init_from_checkpoint(drafter: nn.Module, path: str) -> None:
+def init_from_checkpoint(drafter: nn.Module, path: str, draft_vocab: torch.Tensor | None = None) -> None:
     """Start from a trained drafter's weights (a fresh optimiser and schedule): continue training
     on new or more data. The architecture must match exactly, except that a drafter trained without
     `last_context_input` may gain it (its projection starts at zero, so training resumes from the same
-    function)."""
+    function), and that `draft_vocab` (target ids, ascending) replaces the checkpoint's draft vocabulary,
+    of any size: a vocabulary chosen on an older corpus misses tokens the new one needs, and a missing token
+    can never be drafted. The frozen head needs nothing; the Markov W2 rows of kept ids carry over, new ids
+    start at zero."""
     from dspark.drafters.checkpoint import load_model
+    from dspark.drafters.vocab import carry_rows, offsets_from_ids, t2d_mask
     from dspark.errors import DrafterLoadError
 
     try:
@@ -78,6 +84,11 @@ def init_from_checkpoint(drafter: nn.Module, path: str) -> None:
     except DrafterLoadError as error:
         raise DsparkError(f"init_from: {error}") from None
     mine, theirs = drafter.state_dict(), source.state_dict()
+    if draft_vocab is not None:
+        old_ids = source.draft_to_target().cpu()
+        for name in [k for k in theirs if k.endswith("markov_w2.weight")]:
+            theirs[name] = carry_rows(theirs[name], old_ids, draft_vocab)
+        theirs.update(d2t=offsets_from_ids(draft_vocab), t2d=t2d_mask(draft_vocab, drafter.config.vocab_size))
     added = {k: torch.zeros_like(v) for k, v in mine.items() if k.startswith("last_context_proj.") and k not in theirs}
     theirs.update(added)  # a drafter without the last-context input gains it at zero: the same function
     mismatched = sorted(k for k in mine.keys() | theirs.keys()
@@ -196,7 +207,7 @@ def _own_save(drafter: nn.Module, path: Path, dtype: torch.dtype) -> None:
 
 DRAFTERS: dict[str, DrafterSpec] = {
     "dspark": DrafterSpec(_dspark_build, _dspark_blocks, _dspark_save, DSPARK_WEIGHTS),
-    "dflash": DrafterSpec(lambda c, t: _dspark_build(c, t, dflash=True), _dspark_blocks, _dspark_save,
+    "dflash": DrafterSpec(lambda c, t, **kw: _dspark_build(c, t, dflash=True, **kw), _dspark_blocks, _dspark_save,
                           DFLASH_WEIGHTS),
     # the baselines are trained on the same data with cross-entropy only by default
     "eagle3": DrafterSpec(_eagle3_build, _eagle3_blocks, _own_save, DFLASH_WEIGHTS),

@@ -324,7 +324,8 @@ def setup(config: TrainConfig, d: Dist) -> Setup:
 
     spec = DRAFTERS[config.drafter_type]
     torch.manual_seed(config.seed)
-    drafter = spec.build(config, target.model).to(d.device).float().train()
+    vocab = {"draft_vocab": refreshed_draft_vocab(config, target, d)} if config.refresh_draft_vocab else {}
+    drafter = spec.build(config, target.model, **vocab).to(d.device).float().train()
     layer_ids = tuple(drafter.config.target_layer_ids)
     tokenizer = target.tokenizer
     pad_id = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
@@ -335,6 +336,19 @@ def setup(config: TrainConfig, d: Dist) -> Setup:
         run.features = TargetFeatures(target.model, layer_ids)
         all_examples = load_examples(config.data, tokenizer, config.seq_len)
     return Setup(spec, drafter, run, all_examples)
+
+
+def refreshed_draft_vocab(config: TrainConfig, target, d: Dist) -> torch.Tensor:
+    """`refresh_draft_vocab`: the draft vocabulary chosen again on this run's corpus (the checkpoint's may
+    have been chosen on a smaller or older one)."""
+    from dspark.train.corpus import load_corpus
+
+    ids, share = corpus_draft_vocab(load_corpus(config.data), config.draft_vocab_size, target.model.config.vocab_size,
+                                    target.tokenizer)
+    if d.main:
+        print(f"[dspark] draft vocabulary chosen again: {len(ids)} ids cover {share:.2%} of the answer tokens",
+              file=sys.stderr)
+    return ids
 
 
 def _prepare(config: TrainConfig) -> Dist:
@@ -523,13 +537,19 @@ def open_cached_data(run: Run, config: TrainConfig, target, drafter: nn.Module) 
     return cached_examples(corpus, cache)
 
 
-def choose_draft_vocab(drafter: nn.Module, corpus, tokenizer) -> float:
-    """Give a reduced-vocabulary drafter the corpus's most frequent answer tokens (plus the special
-    tokens, which must stay draftable); returns the share of answer tokens they cover."""
+def corpus_draft_vocab(corpus, size: int, vocab_size: int, tokenizer) -> tuple[torch.Tensor, float]:
+    """The corpus's `size` most frequent answer tokens (plus the special tokens, which must stay
+    draftable), ascending, and the share of its answer tokens they cover."""
     from dspark.drafters.vocab import coverage, select_draft_vocab
 
-    counts = token_counts(corpus, drafter.config.vocab_size)
+    counts = token_counts(corpus, vocab_size)
     special = [i for i in (getattr(tokenizer, "all_special_ids", None) or []) if 0 <= i < len(counts)]
-    ids = select_draft_vocab(counts, drafter.config.draft_vocab_size, always=special)
+    ids = select_draft_vocab(counts, size, always=special)
+    return ids, coverage(counts, ids)
+
+
+def choose_draft_vocab(drafter: nn.Module, corpus, tokenizer) -> float:
+    """Give a reduced-vocabulary drafter the corpus's most frequent answer tokens; returns their coverage."""
+    ids, share = corpus_draft_vocab(corpus, drafter.config.draft_vocab_size, drafter.config.vocab_size, tokenizer)
     drafter.set_draft_vocab(ids)
-    return coverage(counts, ids)
+    return share
