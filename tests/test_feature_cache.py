@@ -576,7 +576,6 @@ def test_score_reads_what_the_heldout_evaluation_read(cached_run):
 
 
 def test_score_needs_a_checkpoint_and_a_corpus(cached_run):
-    from dspark.errors import DsparkError
     from dspark.train.trainer import score
 
     online = dict(feature_cache=None, online_features=True, top_k=8, seq_len=32)
@@ -584,6 +583,9 @@ def test_score_needs_a_checkpoint_and_a_corpus(cached_run):
         score(cached_config(cached_run, "unused", **online))
     with pytest.raises(DsparkError, match="reads a corpus"):
         score(cached_config(cached_run, "unused", data="chats.jsonl", feature_cache=None, init_from="somewhere"))
+    with pytest.raises(DsparkError, match="as it is"):
+        score(cached_config(cached_run, "unused", **online, init_from="somewhere", draft_vocab_size=40,
+                            refresh_draft_vocab=True))
 
 
 def test_online_features_need_a_corpus_and_no_cache():

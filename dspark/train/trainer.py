@@ -481,6 +481,9 @@ def score(config: TrainConfig) -> dict:
         raise DsparkError("scoring needs the drafter to score: set init_from=CHECKPOINT")
     if not config.reads_corpus:
         raise DsparkError("scoring reads a corpus (.safetensors from `dspark data pack`): set data=CORPUS")
+    if config.refresh_draft_vocab:
+        raise DsparkError("scoring measures the checkpoint as it is: refresh_draft_vocab would choose its vocabulary "
+                          "on the scored text")
     d = _prepare(config)
     if d.world > 1:
         raise DsparkError("scoring runs in one process (not under torchrun)")
