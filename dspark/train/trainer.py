@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -61,6 +62,9 @@ from dspark.train.losses import (
 from dspark.train.online_features import TargetFeatureSource
 
 LOG_FILE = "train_log.jsonl"
+
+if TYPE_CHECKING:
+    from dspark.train.corpus import Corpus
 
 
 def loss_weights(config: TrainConfig, step: int | None = None) -> LossWeights:
@@ -310,11 +314,13 @@ class Setup:
     drafter: nn.Module
     run: Run
     examples: list
+    corpus: "Corpus | None"  # the corpus file read (None for JSONL conversations)
 
 
 def setup(config: TrainConfig, d: Dist) -> Setup:
     """Load the target, build the drafter (from `init_from` / the target as configured) and open the data."""
     from dspark.loading import load_target, resolve_dtype
+    from dspark.train.corpus import load_corpus
 
     if not d.main:
         d.barrier()  # rank 0 first: it may convert the default GGUF target once
@@ -324,27 +330,25 @@ def setup(config: TrainConfig, d: Dist) -> Setup:
 
     spec = DRAFTERS[config.drafter_type]
     torch.manual_seed(config.seed)
-    vocab = {"draft_vocab": refreshed_draft_vocab(config, target, d)} if config.refresh_draft_vocab else {}
+    corpus = load_corpus(config.data) if config.reads_corpus else None
+    vocab = {"draft_vocab": refreshed_draft_vocab(config, corpus, target, d)} if config.refresh_draft_vocab else {}
     drafter = spec.build(config, target.model, **vocab).to(d.device).float().train()
     layer_ids = tuple(drafter.config.target_layer_ids)
     tokenizer = target.tokenizer
     pad_id = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
     run = Run(config, d, None, loss_weights(config), pad_id, layer_ids=layer_ids)
     if config.reads_corpus:
-        all_examples = open_cached_data(run, config, target, drafter)
+        all_examples = open_cached_data(run, config, corpus, target, drafter)
     else:
         run.features = TargetFeatures(target.model, layer_ids)
         all_examples = load_examples(config.data, tokenizer, config.seq_len)
-    return Setup(spec, drafter, run, all_examples)
+    return Setup(spec, drafter, run, all_examples, corpus)
 
 
-def refreshed_draft_vocab(config: TrainConfig, target, d: Dist) -> torch.Tensor:
+def refreshed_draft_vocab(config: TrainConfig, corpus: "Corpus", target, d: Dist) -> torch.Tensor:
     """`refresh_draft_vocab`: the draft vocabulary chosen again on this run's corpus (the checkpoint's may
     have been chosen on a smaller or older one)."""
-    from dspark.train.corpus import load_corpus
-
-    ids, share = corpus_draft_vocab(load_corpus(config.data), config.draft_vocab_size, target.model.config.vocab_size,
-                                    target.tokenizer)
+    ids, share = corpus_draft_vocab(corpus, config.draft_vocab_size, target.model.config.vocab_size, target.tokenizer)
     if d.main:
         print(f"[dspark] draft vocabulary chosen again: {len(ids)} ids cover {share:.2%} of the answer tokens",
               file=sys.stderr)
@@ -475,7 +479,6 @@ def score(config: TrainConfig) -> dict:
     sample of `data`, overall and per corpus source; no training. Two drafters scored on one corpus of the
     target's own answers read the same text, so their difference is paired: rollouts at T = 1 are not (each
     drafter's run samples its own answers, and one drafter's τ moves ~3% between seeds on 40 prompts)."""
-    from dspark.train.corpus import load_corpus
 
     if not config.init_from:
         raise DsparkError("scoring needs the drafter to score: set init_from=CHECKPOINT")
@@ -490,7 +493,7 @@ def score(config: TrainConfig) -> dict:
     prepared = setup(config, d)
     prepared.drafter.eval()
     module = BlockForward(prepared.drafter, prepared.spec.blocks)
-    corpus = load_corpus(config.data)
+    corpus = prepared.corpus
     by_source: dict[str, list] = {}
     for example in prepared.examples:
         by_source.setdefault(corpus.sources[corpus.source_index[example.index]], []).append(example)
@@ -510,14 +513,13 @@ def split_examples(config: TrainConfig, examples: list) -> tuple[list[int], list
     return split_heldout(len(examples), config.heldout_fraction, seed)
 
 
-def open_cached_data(run: Run, config: TrainConfig, target, drafter: nn.Module) -> list[CachedExample]:
-    """Corpus + feature cache for `config.data` / `config.feature_cache` (or, with `online_features`, the
+def open_cached_data(run: Run, config: TrainConfig, corpus: "Corpus", target,
+                     drafter: nn.Module) -> list[CachedExample]:
+    """The corpus's examples with the feature cache `config.feature_cache` (or, with `online_features`, the
     target computing the same per batch): refuse a cache made from another target or corpus, choose the
     reduced draft vocabulary (most frequent answer tokens) if asked."""
-    from dspark.train.corpus import load_corpus
     from dspark.train.feature_cache import model_fingerprint
 
-    corpus = load_corpus(config.data)
     if config.online_features:
         cache = TargetFeatureSource(target.model, corpus, config.top_k, config.seq_len, run.pad_id)
     else:
