@@ -22,7 +22,7 @@ from dspark.train.anchors import block_labels, candidate_anchors, sample_anchors
 from dspark.train.checkpointing import STATE_FILE, checkpoints
 from dspark.train.cli_train import add_train_parser
 from dspark.train.config import TrainConfig, load_config
-from dspark.train.drafter_specs import DRAFTERS
+from dspark.train.drafter_specs import DRAFTERS, grown_layers
 from dspark.train.features import TargetFeatures
 from dspark.train.losses import (
     LossWeights,
@@ -475,6 +475,34 @@ def test_init_from_checkpoint_continues_from_its_weights(workdir):
                                      load_target(str(workdir / "target")).model)
     assert torch.equal(fused.fc.weight, saved["fc.weight"].float())
     assert fused.last_context_proj is not None and not fused.last_context_proj.weight.any()
+
+
+def test_init_from_a_shallower_checkpoint_grows_layers_that_start_as_the_identity(workdir):
+    """A 2-layer drafter grown from a trained 1-layer one computes exactly the trained drafter's blocks (the new
+    layer's residual outputs are zero) yet can learn: its other weights are the trained top layer's."""
+    train(tiny_config(workdir, "shallow", max_steps=3, save_every=3, eval_every=3))
+    source = str(workdir / "shallow" / "final")
+    target = load_target(str(workdir / "target")).model
+    shallow = DRAFTERS["dspark"].build(tiny_config(workdir, "a", init_from=source), target)
+    deep = DRAFTERS["dspark"].build(tiny_config(workdir, "b", init_from=source, num_draft_layers=2), target)
+    assert len(shallow.layers) == 1 and len(deep.layers) == 2
+    new, top = deep.layers[1], shallow.layers[0]
+    assert not new.self_attn.o_proj.weight.any() and not new.mlp.down_proj.weight.any()
+    assert torch.equal(new.self_attn.q_proj.weight, top.self_attn.q_proj.weight)
+    assert torch.equal(new.mlp.gate_proj.weight, top.mlp.gate_proj.weight)
+    ids = torch.randint(3, 90, (2, 20))
+    feats, _ = TargetFeatures(target, tuple(shallow.config.target_layer_ids))(ids, torch.ones_like(ids))
+    anchors = torch.tensor([[2, 7, 11, 15], [1, 5, 9, 14]])
+    with torch.no_grad():
+        logits, confidence = DRAFTERS["dspark"].blocks(shallow, feats, ids, anchors)
+        grown_logits, grown_confidence = DRAFTERS["dspark"].blocks(deep, feats, ids, anchors)
+    assert torch.allclose(grown_logits, logits, atol=1e-6) and torch.allclose(grown_confidence, confidence, atol=1e-6)
+    DRAFTERS["dspark"].save(deep, workdir / "deep", torch.float32)
+    with pytest.raises(DsparkError, match="does not match"):  # fewer layers than the checkpoint: refused
+        DRAFTERS["dspark"].build(tiny_config(workdir, "c", init_from=str(workdir / "deep")), target)
+    grown_state = grown_layers({"layers.0.mlp.down_proj.weight": torch.ones(2, 2)}, 3)
+    assert sorted(grown_state) == [f"layers.{i}.mlp.down_proj.weight" for i in range(3)]
+    assert grown_layers(grown_state, 2) is grown_state  # never shrinks
 
 
 def test_init_from_target_copies_the_last_layer(workdir):

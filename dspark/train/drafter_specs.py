@@ -74,7 +74,8 @@ def init_from_checkpoint(drafter: nn.Module, path: str, draft_vocab: torch.Tenso
     function), and that `draft_vocab` (target ids, ascending) replaces the checkpoint's draft vocabulary,
     of any size: a vocabulary chosen on an older corpus misses tokens the new one needs, and a missing token
     can never be drafted. The frozen head needs nothing; the Markov W2 rows of kept ids carry over, new ids
-    start at zero."""
+    start at zero. A drafter with more draft layers than the checkpoint gains them on top (`grown_layers`),
+    again starting from the same function."""
     from dspark.drafters.checkpoint import load_model
     from dspark.drafters.vocab import carry_rows, offsets_from_ids, t2d_mask
     from dspark.errors import DrafterLoadError
@@ -91,12 +92,37 @@ def init_from_checkpoint(drafter: nn.Module, path: str, draft_vocab: torch.Tenso
         theirs.update(d2t=offsets_from_ids(draft_vocab), t2d=t2d_mask(draft_vocab, drafter.config.vocab_size))
     added = {k: torch.zeros_like(v) for k, v in mine.items() if k.startswith("last_context_proj.") and k not in theirs}
     theirs.update(added)  # a drafter without the last-context input gains it at zero: the same function
+    theirs = grown_layers(theirs, len(drafter.layers))
     mismatched = sorted(k for k in mine.keys() | theirs.keys()
                         if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
     if mismatched:
         raise DsparkError(f"init_from {path}: the checkpoint does not match this drafter config "
                           f"({len(mismatched)} tensors differ, e.g. {mismatched[:3]})")
     drafter.load_state_dict(theirs)
+
+def _layer_count(state: dict[str, torch.Tensor]) -> int:
+    return len({key.split(".")[1] for key in state if key.startswith("layers.")})
+
+
+def grown_layers(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """A trained drafter's weights with draft layers appended up to `num_layers`: each new layer is a copy of
+    the trained top layer with its two residual outputs (`o_proj`, `down_proj`) zeroed, so it adds nothing and
+    the grown drafter computes exactly the trained one's blocks; training then finds a use for the extra depth
+    (Net2Net-style growth) instead of restarting a deeper drafter from the target. Fewer layers than the
+    checkpoint's is left to the caller's shape check."""
+    have = _layer_count(state)
+    if have == 0 or num_layers <= have:
+        return state
+    grown = dict(state)
+    top = f"layers.{have - 1}."
+    for index in range(have, num_layers):
+        for key, value in state.items():
+            if key.startswith(top):
+                name = key[len(top):]
+                zero = name in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+                grown[f"layers.{index}.{name}"] = torch.zeros_like(value) if zero else value.clone()
+    return grown
+
 
 @torch.no_grad()
 def init_from_target(drafter: nn.Module, target: nn.Module) -> None:
