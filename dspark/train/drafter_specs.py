@@ -100,6 +100,7 @@ def init_from_checkpoint(drafter: nn.Module, path: str, draft_vocab: torch.Tenso
                           f"({len(mismatched)} tensors differ, e.g. {mismatched[:3]})")
     drafter.load_state_dict(theirs)
 
+
 def _layer_count(state: dict[str, torch.Tensor]) -> int:
     return len({key.split(".")[1] for key in state if key.startswith("layers.")})
 
