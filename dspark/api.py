@@ -90,6 +90,7 @@ def stream(
     scheduler: str = "dspark",
     dtype: str | torch.dtype = "auto",
     draft_gate: bool | None = None,
+    compile: bool = False,
 ) -> TextStream:
     """Generate with speculative decoding, yielding text as it is committed.
 
@@ -100,14 +101,16 @@ def stream(
     `dtype` applies when `target` is a spec: "auto" (bf16 where the hardware runs it natively, else
     float32), "float32", "bfloat16", "float16" or a torch dtype. `draft_gate` (None: on for "dspark") skips
     drafting in rounds where the engine measured plain decoding faster (`dspark.gate`); with a `seed`, sampled
-    output follows the scheduler alone and repeats exactly.
+    output follows the scheduler alone and repeats exactly. `compile`: run the target's decode and verify steps
+    `torch.compile`d (`dspark.compiled`; about a minute of compiling first, worth it for long outputs).
     """
     sampling = SamplingParams(temperature, top_k, top_p)
     _validate(max_new_tokens, block_size)
     validate_prompt(prompt)
     get_scheduler(scheduler)
     loaded, drafter = resolve(target, drafter, dtype)
-    engine = build_engine(loaded, drafter, scheduler=scheduler, block_size=block_size, draft_gate=draft_gate)
+    engine = build_engine(loaded, drafter, scheduler=scheduler, block_size=block_size, draft_gate=draft_gate,
+                          compile=compile)
     ids = prompt_ids(loaded, prompt, chat)
     request = Request(ids, max_new_tokens, sampling, make_generator(seed), eos_token_ids(loaded),
                       reproducible=seed is not None and not sampling.greedy)

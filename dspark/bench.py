@@ -72,10 +72,12 @@ def hf_generate(loaded: LoadedTarget, ids: torch.Tensor, max_new_tokens: int, **
 
 
 def ours(loaded: LoadedTarget, drafter, ids: torch.Tensor, max_new_tokens: int, block_size: int | None,
-         scheduler: str = "fixed", gate: DraftGate | None = None) -> tuple[list[int], GenerationStats]:
+         scheduler: str = "fixed", gate: DraftGate | None = None,
+         compile: bool = False) -> tuple[list[int], GenerationStats]:
     """One greedy generation of ours (the engine at concurrency 1): its tokens and stats. `gate`: the draft gate
     the method keeps from prompt to prompt, as one process serving them would (None: the scheduler's default)."""
-    engine = build_engine(loaded, drafter, scheduler=scheduler, block_size=block_size, draft_gate=gate)
+    engine = build_engine(loaded, drafter, scheduler=scheduler, block_size=block_size, draft_gate=gate,
+                          compile=compile)
     request = Request(ids, max_new_tokens, SamplingParams(), None, eos_token_ids(loaded))
     tokens = [token for chunk in engine.stream(request) for token in chunk]
     return tokens, request.stats
@@ -139,12 +141,15 @@ def _run_speed_bench(args: argparse.Namespace, stack: ExitStack) -> dict:
         "hf_prompt_lookup": lambda ids: (hf_generate(
             loaded, ids, args.max_new_tokens, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens), None),
     }
-    for name, drafter in drafters.items():
-        methods[name] = lambda ids, d=drafter: ours(loaded, d, ids, args.max_new_tokens, args.block_size)
-        if args.scheduler != "fixed" and has_confidences(drafter):
-            gate = resolve_gate(None, args.scheduler, drafter.max_block_size or 1)
-            methods[f"{name}+{args.scheduler}"] = lambda ids, d=drafter, g=gate: ours(
-                loaded, d, ids, args.max_new_tokens, args.block_size, args.scheduler, g)
+    for compiled in (False, True) if getattr(args, "compile", False) else (False,):
+        suffix = "+compiled" if compiled else ""
+        for name, drafter in drafters.items():
+            methods[name + suffix] = lambda ids, d=drafter, c=compiled: ours(
+                loaded, d, ids, args.max_new_tokens, args.block_size, compile=c)
+            if args.scheduler != "fixed" and has_confidences(drafter):
+                gate = resolve_gate(None, args.scheduler, drafter.max_block_size or 1)
+                methods[f"{name}+{args.scheduler}{suffix}"] = lambda ids, d=drafter, g=gate, c=compiled: ours(
+                    loaded, d, ids, args.max_new_tokens, args.block_size, args.scheduler, g, c)
 
     encoded = [prompt_ids(loaded, prompt) for prompt in prompts]
     peers = _start_peers(args, loaded, [len(ids) for ids in encoded], stack)

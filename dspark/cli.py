@@ -6,7 +6,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from dspark.cli_args import add_draft_gate_arg, add_dtype_arg
+from dspark.cli_args import add_compile_arg, add_draft_gate_arg, add_dtype_arg
 from dspark.drafters import DEFAULT_DRAFTER
 from dspark.errors import DsparkError
 
@@ -46,6 +46,7 @@ def add_generate_parser(subparsers) -> None:
                         help="drafts verified per round, for drafters with confidences: dspark (Algorithm 1, "
                              "default) | fixed | fixed-<n> | threshold-<t>")
     add_draft_gate_arg(parser)
+    add_compile_arg(parser)
     parser.set_defaults(handler=run_generate)
 
 
@@ -56,7 +57,7 @@ def run_generate(args: argparse.Namespace) -> None:
         args.prompt, target=args.target, drafter=args.drafter, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         chat=not args.no_chat, stop=args.stop, block_size=args.block_size, scheduler=args.scheduler,
-        dtype=args.dtype, draft_gate=args.draft_gate,
+        dtype=args.dtype, draft_gate=args.draft_gate, compile=args.compile,
     )
     for delta in handle:
         if args.stream:
@@ -102,6 +103,9 @@ def add_bench_parser(subparsers) -> None:
                        help="target GGUF llama.cpp runs: native (the target's own, Q4_1 for the default) or the HF "
                             "weights converted to f32/bf16/f16 by llama.cpp's converter (once, cached)")
     add_dtype_arg(speed)
+    speed.add_argument("--compile", action="store_true",
+                       help="also run every one of our methods with the target's decode and verify steps "
+                            "torch.compile'd, as extra rows NAME+compiled (compiled once, during the warm-up)")
     speed.set_defaults(handler=run_bench_speed)
     draft = bench.add_parser("draft", help="DSpark draft time per round vs one target verification forward")
     draft.add_argument("--target", default="default")
@@ -281,6 +285,7 @@ def add_serve_parser(subparsers) -> None:
                         help="most prompt tokens prefilled per round, next to decoding requests")
     parser.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
     add_draft_gate_arg(parser)
+    add_compile_arg(parser)
     parser.add_argument("--allowed-host", action="append", default=[], dest="allowed_hosts",
                         help="serve only this Host header (repeatable; '*.example.com' for subdomains)")
     from dspark.server.limits import add_limit_args
@@ -303,7 +308,7 @@ def run_serve(args: argparse.Namespace) -> None:
                        max_queue=args.max_queue, block_size=args.block_size, api_key=args.api_key,
                        served_model_name=args.served_model_name, prefill_chunk=args.prefill_chunk, limits=limits,
                        public_metrics=args.public_metrics, allowed_hosts=tuple(args.allowed_hosts), dtype=args.dtype,
-                       draft_gate=args.draft_gate)
+                       draft_gate=args.draft_gate, compile=args.compile)
     draining_server(app, args.host, args.port, limits.drain_timeout_s).run()
     print("[dspark] server drained and stopped", file=sys.stderr)
 

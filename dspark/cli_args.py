@@ -18,3 +18,10 @@ def add_draft_gate_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-gate", action=argparse.BooleanOptionalAction, default=None,
                         help="skip drafting in rounds where the engine measured plain decoding faster (default: on "
                              "for the dspark schedulers; seeded sampled requests always follow the scheduler)")
+
+
+def add_compile_arg(parser: argparse.ArgumentParser) -> None:
+    """`--compile` for the commands that decode with the engine."""
+    parser.add_argument("--compile", action="store_true",
+                        help="run the target's one-request decode and verify steps torch.compile'd (Llama-family "
+                             "targets; about a minute of compiling once per process, then faster steps on a CPU)")

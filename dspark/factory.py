@@ -48,6 +48,7 @@ def build_engine(
     sps: StepCurve | RoundCost | None = None,
     as_named: bool = False,
     draft_gate: "bool | DraftGate | None" = None,
+    compile: bool = False,
 ) -> Engine:
     """An engine with `max_concurrency` slots on `loaded`'s model, drafting with `drafter`.
 
@@ -57,7 +58,8 @@ def build_engine(
     policies by name, everything else lets such a drafter verify every draft. `draft_gate`: skip drafting in
     rounds where plain decoding measured faster (`dspark.gate`); None: on for the dspark schedulers (they decide
     per round anyway), off for fixed, threshold and none, whose rounds draw what their name says. Pass one
-    `DraftGate` to several engines to share what it measured.
+    `DraftGate` to several engines to share what it measured. `compile`: the target's one-request decode and
+    verify forwards compiled (`dspark.compiled`: ~1 min once per process and model, then faster steps on a CPU).
     """
     block_size = resolve_block_size(block_size, drafter_limit=drafter.max_block_size, scheduler=scheduler)
     chosen = scheduler if as_named else scheduler_for(scheduler, drafter, block_size)
@@ -66,7 +68,7 @@ def build_engine(
     if plans_drafting(chosen) and block_size > 0 and isinstance(sps, RoundCost) and not sps.draft_seconds:
         # it decides who drafts before drafting, so it weighs the drafter's (profiled) cost too
         sps = RoundCost(sps.verify, draft_cost(loaded, drafter, max_concurrency, block_size))
-    backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=max_concurrency)
+    backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=max_concurrency, compile=compile)
     return Engine(backend, drafter, block_size=block_size, scheduler=chosen, sps=sps, max_concurrency=max_concurrency,
                   prefill_chunk=prefill_chunk, max_context=max_context,
                   gate=resolve_gate(draft_gate, chosen, block_size))

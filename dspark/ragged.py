@@ -12,6 +12,7 @@ holds one slot per request with its own length, so rolling a request back is set
 """
 
 import dataclasses
+import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,8 +64,9 @@ class SlotCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, capacity: int = 256) -> None:
         shape = (num_slots, num_kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        with torch.inference_mode():  # as those `reserve` makes inside a forward: a compiled forward guards on it
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * num_slots
         self.initial_capacity = capacity
 
@@ -93,6 +95,7 @@ class SlotCache:
         self.keys, self.values = keys, values
 
 
+@torch.inference_mode()
 def _resized(old: torch.Tensor, capacity: int, kept: int) -> torch.Tensor:
     new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
     new[:, :, :kept] = old[:, :, :kept]
@@ -105,7 +108,7 @@ class RaggedBackend:
 
     def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int] = (), max_slots: int = 8,
                  attention: str = "loop", packed_weights: bool | None = None,
-                 attention_dtype: torch.dtype | None = None) -> None:
+                 attention_dtype: torch.dtype | None = None, compile: bool = False) -> None:
         if not supports_ragged(model):
             raise DsparkError(f"ragged batching supports {sorted(SUPPORTED_MODEL_TYPES)} models, "
                               f"not {getattr(model.config, 'model_type', type(model).__name__)}")
@@ -140,6 +143,18 @@ class RaggedBackend:
         self.cache = SlotCache(self.num_layers, max_slots, self.num_kv_heads, self.head_dim, self.attention_dtype,
                                self.device)
         self.free = list(range(max_slots))[::-1]
+        self.max_compiled_tokens = 0  # decode / verify steps of up to this many tokens run compiled
+        self.compiled = self._compiled() if compile else None
+
+    def _compiled(self):
+        """The shared compiled one-request forward (`dspark.compiled`), or None where it cannot run this model."""
+        from dspark.compiled import MAX_COMPILED_TOKENS, compilable, compiled_decode
+
+        if compilable(self):
+            self.max_compiled_tokens = MAX_COMPILED_TOKENS
+            return compiled_decode(self)
+        log_once(f"--compile: {self.config.model_type} layers of this form run eager (q/k norms, int4 or a window)")
+        return None
 
     @property
     def device(self) -> torch.device:
@@ -187,6 +202,15 @@ class RaggedBackend:
             raise DsparkError(f"context of {max(ends)} tokens exceeds the sliding window {self.window}")
         self.cache.reserve(max(ends))
         device = self.device
+        if self.compiled is not None and len(segments) == 1 and sizes[0] <= self.max_compiled_tokens:
+            # room past the end: a cache read that ends at the capacity is contiguous, one that ends before it is
+            # not, and the compiled graph would be compiled again for the other case
+            self.cache.reserve(ends[0] + 1)
+            result = self.compiled(segments[0].token_ids.to(device), starts[0], segments[0].slot, self.cache.keys,
+                                   self.cache.values)
+            if result is not None:  # else compiling failed (said once): the eager forward below
+                self.cache.lengths[segments[0].slot] = ends[0]
+                return [_one_output(segments[0], *result)]
         tokens = torch.cat([s.token_ids.to(device) for s in segments])
         positions = torch.cat([torch.arange(a, e, device=device) for a, e in zip(starts, ends, strict=True)])
 
@@ -271,6 +295,24 @@ class RaggedBackend:
             ))
             cursor += count
         return outputs
+
+
+def _one_output(segment: Segment, logits: torch.Tensor, hidden: torch.Tensor | None) -> TargetOutput:
+    """A compiled forward's output (logits of every new token) cut to the positions the segment asked for."""
+    if segment.logits == "last":
+        logits = logits[-1:]
+    elif segment.logits == "none":
+        logits = logits[:0]
+    return TargetOutput(logits, hidden)
+
+
+_LOGGED: set[str] = set()
+
+
+def log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        print(f"[dspark] {message}", file=sys.stderr)
 
 
 #: a fused projection: a dense weight (F.linear) or a module computing it (int4 weights, `linear`)

@@ -14,7 +14,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the target and its tokenizer (text needs LoadedTarget); drafters.files (checkpoint file names, shard
     # index) is read by loading too; cli_args reads loading's dtype names
     ("models", ("dspark.drafters.files", "dspark.quantize", "dspark.packed", "dspark.loading", "dspark.target",
-                "dspark.ragged", "dspark.batch_decode", "dspark.text", "dspark.cli_args")),
+                "dspark.ragged", "dspark.compiled", "dspark.batch_decode", "dspark.text", "dspark.cli_args")),
     ("drafters", ("dspark.drafters",)),
     ("runtime", ("dspark.scheduler", "dspark.gate", "dspark.profiling", "dspark.engine", "dspark.generation",
                  "dspark.factory")),

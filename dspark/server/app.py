@@ -387,7 +387,8 @@ def build_server(target: TargetSpec = "default", drafter: str = DEFAULT_DRAFTER,
                  max_concurrency: int = 8, max_queue: int = 64, block_size: int | None = None,
                  api_key: str | None = None, served_model_name: str | None = None,
                  prefill_chunk: int = 512, limits: ServerLimits | None = None, public_metrics: bool = False,
-                 allowed_hosts: tuple[str, ...] = (), dtype: str = "auto", draft_gate: bool | None = None) -> FastAPI:
+                 allowed_hosts: tuple[str, ...] = (), dtype: str = "auto", draft_gate: bool | None = None,
+                 compile: bool = False) -> FastAPI:
     """Load the target (in `dtype`, a `--dtype` name) and drafter, profile if the scheduler needs it, and build
     the app."""
     from dspark.api import resolve
@@ -398,7 +399,7 @@ def build_server(target: TargetSpec = "default", drafter: str = DEFAULT_DRAFTER,
     window = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
     engine = build_engine(loaded, drafter_model, scheduler=scheduler, block_size=block_size,
                           max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=window,
-                          draft_gate=draft_gate)
+                          draft_gate=draft_gate, compile=compile)
     config = ServerConfig(served_model_name or loaded.name, api_key, window, limits or ServerLimits(),
                           public_metrics, tuple(allowed_hosts))
     return create_app(loaded, EngineService(engine, max_queue), config)

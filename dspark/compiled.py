@@ -1,0 +1,159 @@
+"""The one-request decode / verify forward compiled whole by `torch.compile` (opt-in: `--compile`).
+
+At batch 1 an eager forward of SmolLM2-135M dispatches ~1,000 small ops around its 121 matmuls; on a 2-core CPU
+they cost a third of a step (docs/runtime.md, session 23). Inductor fuses them into a few C++ loops, and two
+settings make that pay: `cpp_wrapper` (the graph is driven from C++, not from Python, which otherwise gives the
+gain back) and `freezing` with the weights as module *parameters* (inductor then folds them as constants and
+reorders them once for oneDNN itself, as `dspark.packed` does eagerly; weights captured any other way stay
+plain and their matmuls get slower).
+
+`CompiledDecode` is the ragged forward's arithmetic for one request (`dspark.ragged.RaggedBackend`), reading and
+writing the backend's own slot cache, so eager and compiled forwards can alternate on one slot (prefill chunks
+run eager, decode and verify steps compiled). Compiled with dynamic shapes: one graph for one new token and one for
+more (dynamic shapes specialise size 1), none per context length. Weights are frozen at the first call: for
+inference only; a model whose weights are written afterwards needs a new backend.
+
+Not bit-identical to the eager forward (fused kernels round bf16 differently), so speculative decoding is exact
+against vanilla decoding *with the same compiled forward*, as the eager bf16 forward is (see docs/runtime.md,
+"Exactness per dtype").
+"""
+
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch._inductor.config as inductor_config
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.ragged import half_signed, rotate
+
+#: the most new tokens a compiled forward takes: decode and verify steps (γ + 1 ≤ 16); prefill chunks run eager
+MAX_COMPILED_TOKENS = 16
+#: inductor settings for the compile (see the module docstring for why each)
+INDUCTOR_OPTIONS = {"cpp_wrapper": True, "freezing": True}
+
+
+class CompiledDecode(nn.Module):
+    """Embedding, the decoder layers and the LM head of one request's forward, with every dense weight a
+    (frozen) parameter. Built from a backend's fused layers; shares the model's weight storage."""
+
+    def __init__(self, backend, layer_ids: Sequence[int]) -> None:
+        super().__init__()
+        inner = backend.model.model
+        self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
+        head = backend.model.get_output_embeddings()
+        self.head_weight = _frozen(head.weight)
+        self.num_heads, self.num_kv_heads, self.head_dim = backend.num_heads, backend.num_kv_heads, backend.head_dim
+        self.gqa = bool(self.num_heads != self.num_kv_heads)  # a Python bool: dynamo specialises on it
+        self.attention_dtype = backend.attention_dtype
+        self.layer_ids = tuple(layer_ids)
+        self.last_layer = backend.num_layers - 1
+        self.layers = nn.ModuleList()
+        for fused in backend.layers:
+            layer = nn.Module()
+            layer.qkv, layer.o_proj = _frozen(_dense(fused.qkv)), _frozen(_dense(fused.o_proj))
+            layer.gate_up, layer.down = _frozen(_dense(fused.gate_up)), _frozen(_dense(fused.down))
+            layer.qkv_bias = None if fused.qkv_bias is None else _frozen(fused.qkv_bias)
+            layer.input_norm, layer.post_norm = fused.input_norm, fused.post_norm
+            self.layers.append(layer)
+
+    def forward(self, tokens: torch.Tensor, start: int, slot: int, keys: list[torch.Tensor],
+                values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (n, V) of every new token and the hidden states of `layer_ids` (n, D·len) or None; writes
+        the new keys and values at [start, start + n) of `slot`."""
+        n = tokens.shape[0]
+        heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        positions = torch.arange(start, start + n, device=tokens.device)
+        x = self.embed(tokens)
+        cos, sin = self.rotary(x, positions[None])
+        cos, sin = cos[0][:, None], half_signed(sin[0][:, None])
+        columns = torch.arange(start + n, device=tokens.device)
+        mask = columns[None, :] <= positions[:, None]
+        features = {-1: x} if -1 in self.layer_ids else {}
+        for index, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.input_norm)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            v = qkv[:, (heads + kv_heads) * hd :].view(n, kv_heads, hd)
+            qk = rotate(qkv[:, : (heads + kv_heads) * hd].view(n, heads + kv_heads, hd), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            keys[index][slot, :, start : start + n] = k.to(self.attention_dtype).transpose(0, 1)
+            values[index][slot, :, start : start + n] = v.to(self.attention_dtype).transpose(0, 1)
+            out = F.scaled_dot_product_attention(
+                q.to(self.attention_dtype).transpose(0, 1)[None], keys[index][slot : slot + 1, :, : start + n],
+                values[index][slot : slot + 1, :, : start + n], attn_mask=mask, enable_gqa=self.gqa,
+            )[0].transpose(0, 1)
+            x = x + F.linear(out.reshape(n, -1).to(x.dtype), layer.o_proj)
+            h = _rms_norm(x, layer.post_norm)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+            if index in self.layer_ids:
+                features[index] = x
+        hidden = None
+        if self.layer_ids:
+            if self.last_layer in features:  # HF reports the last layer's output after the final norm
+                features[self.last_layer] = _rms_norm(features[self.last_layer], self.norm)
+            hidden = torch.cat([features[i] for i in self.layer_ids], -1)
+        return F.linear(_rms_norm(x, self.norm), self.head_weight).float(), hidden
+
+
+def compilable(backend) -> bool:
+    """Whether `CompiledDecode` computes this backend's forward: dense (not int4) Llama-style layers without
+    q/k norms (Qwen3's run eager), no sliding window."""
+    return (not backend.window and all(fused.q_norm is None for fused in backend.layers)
+            and all(isinstance(_dense(w), torch.Tensor) for fused in backend.layers
+                    for w in (fused.qkv, fused.o_proj, fused.gate_up, fused.down))
+            and isinstance(getattr(backend.model.get_output_embeddings(), "weight", None), torch.Tensor)
+            and _has_eps(backend))
+
+
+def compiled_decode(backend) -> "CompiledRunner":
+    """The compiled forward for `backend`'s model and layer ids, made once per (model, layer ids): every
+    backend on the model (one engine per prompt in a benchmark) shares one compilation."""
+    cache = backend.model.__dict__.setdefault("_dspark_compiled", {})
+    key = (backend.layer_ids, backend.attention_dtype)
+    if key not in cache:
+        cache[key] = CompiledRunner(CompiledDecode(backend, backend.layer_ids).eval())
+    return cache[key]
+
+
+class CompiledRunner:
+    """Calls the compiled module; if compiling or running it fails once (no C++ compiler, an inductor bug), says
+    why on stderr and answers None from then on, so the backend runs its eager forward instead."""
+
+    def __init__(self, module: CompiledDecode) -> None:
+        self.module = module
+        self.compiled = torch.compile(module, dynamic=True)
+        self.failed: str | None = None
+
+    def __call__(self, tokens: torch.Tensor, start: int, slot: int, keys: list[torch.Tensor],
+                 values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        if self.failed is not None:
+            return None
+        try:  # the settings as a patch around the call: `torch.compile(options=...)` does not apply `freezing`
+            with inductor_config.patch(INDUCTOR_OPTIONS):
+                return self.compiled(tokens, start, slot, keys, values)
+        except Exception as error:  # noqa: BLE001 - any compile failure falls back to the eager forward
+            self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            print(f"[dspark] compiled forward unavailable ({self.failed}); running eager", file=sys.stderr)
+            return None
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor.detach(), requires_grad=False)
+
+
+def _dense(weight):
+    """The dense tensor behind a fused weight: a tensor, a `PackedLinear`'s parameter, or (int4) the module."""
+    return weight if isinstance(weight, torch.Tensor) else getattr(weight, "weight", weight)
+
+
+def _has_eps(backend) -> bool:
+    norms = [backend.model.model.norm] + [n for f in backend.layers for n in (f.input_norm, f.post_norm)]
+    return all(getattr(n, "variance_epsilon", None) is not None and isinstance(getattr(n, "weight", None),
+                                                                                  torch.Tensor) for n in norms)
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """`dspark.ragged.rms_norm` for the Llama-family norm (`compilable` checks the form)."""
+    return norm.weight * F.rms_norm(x.float(), x.shape[-1:], None, norm.variance_epsilon).to(x.dtype)

@@ -1,0 +1,104 @@
+"""The compiled one-request forward (`dspark.compiled`, `--compile`): it computes what the eager ragged forward
+computes (logits, target features, cache), survives the cache growing under it without failing, keeps greedy
+speculative decoding identical to vanilla decoding with the same forward, and falls back to eager when compiling
+fails. One tiny model per test module: compiling is the slow part (one graph for one token, one for more)."""
+
+import shutil
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_model
+
+from dspark.compiled import CompiledRunner, compilable
+from dspark.drafters.base import NoDrafter
+from dspark.drafters.ngram import NgramDrafter
+from dspark.engine import Engine, Request
+from dspark.ragged import RaggedBackend, Segment
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="torch.compile on a CPU needs a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", seed=3)
+
+
+def test_compiled_forward_computes_what_the_eager_one_does(llama):
+    layer_ids = (-1, 0, 1)  # embeddings, a middle layer and the last (HF's: after the final norm)
+    eager = RaggedBackend(llama, layer_ids, max_slots=2)
+    compiled = RaggedBackend(llama, layer_ids, max_slots=2, compile=True)
+    assert compiled.compiled is not None and compiled.max_compiled_tokens >= 8
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, VOCAB, (250,), generator=generator)  # prefill (> 16 tokens) runs eager
+    slots = {}
+    for name, backend in (("eager", eager), ("compiled", compiled)):
+        backend.allocate()  # slot 0 stays empty: the compiled forward must write and read slot 1
+        slots[name] = backend.allocate()
+        backend.forward([Segment(slots[name], prompt, "none")])
+    for size in (1, 3, 1, 8, 1, 1, 2):  # crosses the cache's initial capacity (256) on the way
+        block = torch.randint(3, VOCAB, (size,), generator=generator)
+        want = eager.forward([Segment(slots["eager"], block, "all")])[0]
+        got = compiled.forward([Segment(slots["compiled"], block, "all")])[0]
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.hidden, want.hidden, atol=1e-4, rtol=1e-4)
+        assert compiled.length(slots["compiled"]) == eager.length(slots["eager"])
+    assert compiled.cache.capacity > 256 and compiled.compiled.failed is None
+    # a rollback is a length: the same block after it gives the same logits; "last" keeps one row
+    length = compiled.length(slots["compiled"])
+    block = torch.randint(3, VOCAB, (4,), generator=generator)
+    first = compiled.forward([Segment(slots["compiled"], block, "all")])[0].logits
+    compiled.rollback(slots["compiled"], length)
+    last = compiled.forward([Segment(slots["compiled"], block, "last")])[0].logits
+    torch.testing.assert_close(last, first[-1:])
+
+
+@pytest.mark.parametrize("drafter", [NgramDrafter, NoDrafter], ids=["ngram", "none"])
+def test_greedy_speculative_decoding_is_vanilla_decoding_with_the_same_compiled_forward(llama, drafter):
+    prompt = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 11, 5, 6])  # repeats: the n-gram drafter drafts
+
+    def generate(drafter_instance, block_size):
+        engine = Engine(RaggedBackend(llama, drafter_instance.target_layer_ids, compile=True), drafter_instance,
+                        block_size=block_size)
+        request = Request(prompt, 40)
+        return [t for chunk in engine.stream(request) for t in chunk], request.stats
+
+    vanilla, _ = generate(NoDrafter(), 0)
+    tokens, stats = generate(drafter(), 4)
+    assert tokens == vanilla and len(tokens) == 40
+    if drafter is NgramDrafter:
+        assert stats.tau > 1.0  # drafts were verified, in forwards of several tokens
+
+
+def test_a_model_the_compiled_forward_does_not_cover_runs_eager(capsys):
+    qwen3 = tiny_model("qwen3")  # q/k norms
+    backend = RaggedBackend(qwen3, (), compile=True)
+    assert not compilable(backend) and backend.compiled is None
+    slot = backend.allocate()
+    out = backend.forward([Segment(slot, torch.tensor([4, 5, 6]), "last")])[0]
+    assert out.logits.shape == (1, VOCAB)
+
+
+def test_a_compile_failure_falls_back_to_eager_once_and_says_why(llama, monkeypatch, capsys):
+    eager = RaggedBackend(llama, ())
+    backend = RaggedBackend(llama, (), compile=True)
+    runner = backend.compiled
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise RuntimeError("InductorError: no C++ compiler\ndetails")
+
+    fresh = CompiledRunner(runner.module)  # not the shared runner: other tests keep theirs
+    monkeypatch.setattr(fresh, "compiled", broken)
+    backend.compiled = fresh
+    for b in (eager, backend):
+        b.forward([Segment(b.allocate(), torch.tensor([3, 4, 5, 6]), "none")])
+    for _ in range(2):
+        block = torch.tensor([7])
+        want = eager.forward([Segment(0, block, "all")])[0].logits
+        got = backend.forward([Segment(0, block, "all")])[0].logits
+        assert torch.equal(got, want)  # the eager forward itself, bit for bit
+    assert len(calls) == 1 and "no C++ compiler" in fresh.failed
+    assert "compiled forward unavailable (RuntimeError: InductorError: no C++ compiler); running eager" in (
+        capsys.readouterr().err)
