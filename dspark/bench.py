@@ -141,7 +141,7 @@ def _run_speed_bench(args: argparse.Namespace, stack: ExitStack) -> dict:
         "hf_prompt_lookup": lambda ids: (hf_generate(
             loaded, ids, args.max_new_tokens, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens), None),
     }
-    for compiled in (False, True) if getattr(args, "compile", False) else (False,):
+    for compiled in (False, True) if args.compile else (False,):
         suffix = "+compiled" if compiled else ""
         for name, drafter in drafters.items():
             methods[name + suffix] = lambda ids, d=drafter, c=compiled: ours(

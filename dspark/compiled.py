@@ -18,7 +18,6 @@ against vanilla decoding *with the same compiled forward*, as the eager bf16 for
 "Exactness per dtype").
 """
 
-import sys
 from collections.abc import Sequence
 
 import torch
@@ -26,7 +25,8 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.ragged import half_signed, rotate
+from dspark.loading import log
+from dspark.ragged import half_signed, rms_norm, rotate
 
 #: the most new tokens a compiled forward takes: decode and verify steps (γ + 1 ≤ 16); prefill chunks run eager
 MAX_COMPILED_TOKENS = 16
@@ -72,7 +72,7 @@ class CompiledDecode(nn.Module):
         mask = columns[None, :] <= positions[:, None]
         features = {-1: x} if -1 in self.layer_ids else {}
         for index, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.input_norm)
+            h = rms_norm(x, layer.input_norm)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             v = qkv[:, (heads + kv_heads) * hd :].view(n, kv_heads, hd)
             qk = rotate(qkv[:, : (heads + kv_heads) * hd].view(n, heads + kv_heads, hd), cos, sin)
@@ -84,7 +84,7 @@ class CompiledDecode(nn.Module):
                 values[index][slot : slot + 1, :, : start + n], attn_mask=mask, enable_gqa=self.gqa,
             )[0].transpose(0, 1)
             x = x + F.linear(out.reshape(n, -1).to(x.dtype), layer.o_proj)
-            h = _rms_norm(x, layer.post_norm)
+            h = rms_norm(x, layer.post_norm)
             gate, up = F.linear(h, layer.gate_up).chunk(2, -1)
             x = x + F.linear(F.silu(gate) * up, layer.down)
             if index in self.layer_ids:
@@ -92,9 +92,9 @@ class CompiledDecode(nn.Module):
         hidden = None
         if self.layer_ids:
             if self.last_layer in features:  # HF reports the last layer's output after the final norm
-                features[self.last_layer] = _rms_norm(features[self.last_layer], self.norm)
+                features[self.last_layer] = rms_norm(features[self.last_layer], self.norm)
             hidden = torch.cat([features[i] for i in self.layer_ids], -1)
-        return F.linear(_rms_norm(x, self.norm), self.head_weight).float(), hidden
+        return F.linear(rms_norm(x, self.norm), self.head_weight).float(), hidden
 
 
 def compilable(backend) -> bool:
@@ -103,23 +103,28 @@ def compilable(backend) -> bool:
     return (not backend.window and all(fused.q_norm is None for fused in backend.layers)
             and all(isinstance(_dense(w), torch.Tensor) for fused in backend.layers
                     for w in (fused.qkv, fused.o_proj, fused.gate_up, fused.down))
-            and isinstance(getattr(backend.model.get_output_embeddings(), "weight", None), torch.Tensor)
-            and _has_eps(backend))
+            and isinstance(getattr(backend.model.get_output_embeddings(), "weight", None), torch.Tensor))
 
 
-def compiled_decode(backend) -> "CompiledRunner":
+def compiled_decode(backend) -> "CompiledRunner | None":
     """The compiled forward for `backend`'s model and layer ids, made once per (model, layer ids): every
-    backend on the model (one engine per prompt in a benchmark) shares one compilation."""
+    backend on the model (one engine per prompt in a benchmark) shares one compilation. None, said once per
+    model, where `compilable` says no."""
     cache = backend.model.__dict__.setdefault("_dspark_compiled", {})
     key = (backend.layer_ids, backend.attention_dtype)
     if key not in cache:
-        cache[key] = CompiledRunner(CompiledDecode(backend, backend.layer_ids).eval())
+        cache[key] = CompiledRunner(CompiledDecode(backend, backend.layer_ids).eval()) if compilable(backend) else None
+        if cache[key] is None:
+            log(f"--compile: {backend.config.model_type} layers of this form run eager (q/k norms, int4 or a window)")
     return cache[key]
 
 
 class CompiledRunner:
     """Calls the compiled module; if compiling or running it fails once (no C++ compiler, an inductor bug), says
     why on stderr and answers None from then on, so the backend runs its eager forward instead."""
+
+    #: the most new tokens a call takes (more: the backend's eager forward)
+    max_tokens = MAX_COMPILED_TOKENS
 
     def __init__(self, module: CompiledDecode) -> None:
         self.module = module
@@ -135,7 +140,7 @@ class CompiledRunner:
                 return self.compiled(tokens, start, slot, keys, values)
         except Exception as error:  # noqa: BLE001 - any compile failure falls back to the eager forward
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            print(f"[dspark] compiled forward unavailable ({self.failed}); running eager", file=sys.stderr)
+            log(f"compiled forward unavailable ({self.failed}); running eager")
             return None
 
 
@@ -148,12 +153,3 @@ def _dense(weight):
     return weight if isinstance(weight, torch.Tensor) else getattr(weight, "weight", weight)
 
 
-def _has_eps(backend) -> bool:
-    norms = [backend.model.model.norm] + [n for f in backend.layers for n in (f.input_norm, f.post_norm)]
-    return all(getattr(n, "variance_epsilon", None) is not None and isinstance(getattr(n, "weight", None),
-                                                                                  torch.Tensor) for n in norms)
-
-
-def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """`dspark.ragged.rms_norm` for the Llama-family norm (`compilable` checks the form)."""
-    return norm.weight * F.rms_norm(x.float(), x.shape[-1:], None, norm.variance_epsilon).to(x.dtype)

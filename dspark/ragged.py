@@ -12,7 +12,6 @@ holds one slot per request with its own length, so rolling a request back is set
 """
 
 import dataclasses
-import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -143,18 +142,11 @@ class RaggedBackend:
         self.cache = SlotCache(self.num_layers, max_slots, self.num_kv_heads, self.head_dim, self.attention_dtype,
                                self.device)
         self.free = list(range(max_slots))[::-1]
-        self.max_compiled_tokens = 0  # decode / verify steps of up to this many tokens run compiled
-        self.compiled = self._compiled() if compile else None
+        self.compiled = None  # the shared compiled one-request forward (`dspark.compiled`), where it runs this model
+        if compile:
+            from dspark.compiled import compiled_decode
 
-    def _compiled(self):
-        """The shared compiled one-request forward (`dspark.compiled`), or None where it cannot run this model."""
-        from dspark.compiled import MAX_COMPILED_TOKENS, compilable, compiled_decode
-
-        if compilable(self):
-            self.max_compiled_tokens = MAX_COMPILED_TOKENS
-            return compiled_decode(self)
-        log_once(f"--compile: {self.config.model_type} layers of this form run eager (q/k norms, int4 or a window)")
-        return None
+            self.compiled = compiled_decode(self)
 
     @property
     def device(self) -> torch.device:
@@ -200,12 +192,12 @@ class RaggedBackend:
         ends = [a + n for a, n in zip(starts, sizes, strict=True)]
         if self.window and max(ends) > self.window:
             raise DsparkError(f"context of {max(ends)} tokens exceeds the sliding window {self.window}")
-        self.cache.reserve(max(ends))
+        compiled = self.compiled is not None and len(segments) == 1 and sizes[0] <= self.compiled.max_tokens
+        # compiled: room past the end, since a cache read that ends at the capacity is contiguous, one that ends
+        # before it is not, and the graph would be compiled again for the other case
+        self.cache.reserve(max(ends) + compiled)
         device = self.device
-        if self.compiled is not None and len(segments) == 1 and sizes[0] <= self.max_compiled_tokens:
-            # room past the end: a cache read that ends at the capacity is contiguous, one that ends before it is
-            # not, and the compiled graph would be compiled again for the other case
-            self.cache.reserve(ends[0] + 1)
+        if compiled:
             result = self.compiled(segments[0].token_ids.to(device), starts[0], segments[0].slot, self.cache.keys,
                                    self.cache.values)
             if result is not None:  # else compiling failed (said once): the eager forward below
@@ -304,15 +296,6 @@ def _one_output(segment: Segment, logits: torch.Tensor, hidden: torch.Tensor | N
     elif segment.logits == "none":
         logits = logits[:0]
     return TargetOutput(logits, hidden)
-
-
-_LOGGED: set[str] = set()
-
-
-def log_once(message: str) -> None:
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        print(f"[dspark] {message}", file=sys.stderr)
 
 
 #: a fused projection: a dense weight (F.linear) or a module computing it (int4 weights, `linear`)

@@ -415,5 +415,6 @@ def _speed(args: argparse.Namespace, loaded, paths: list[str], specs: dict) -> d
     extra = [f"{name}={spec}" for name, spec in specs.items() if spec not in ("none", "ngram")]
     bench_args = argparse.Namespace(target=loaded, dataset=code, num_prompts=args.speed_prompts,
                                     max_new_tokens=args.max_new_tokens, block_size=None, prompt_lookup_num_tokens=10,
-                                    drafter=extra, scheduler="dspark", json=True, dtype=args.dtype, peer=None)
+                                    drafter=extra, scheduler="dspark", json=True, dtype=args.dtype, peer=None,
+                                    compile=False)
     return run_speed_bench(bench_args)

@@ -28,7 +28,7 @@ def test_compiled_forward_computes_what_the_eager_one_does(llama):
     layer_ids = (-1, 0, 1)  # embeddings, a middle layer and the last (HF's: after the final norm)
     eager = RaggedBackend(llama, layer_ids, max_slots=2)
     compiled = RaggedBackend(llama, layer_ids, max_slots=2, compile=True)
-    assert compiled.compiled is not None and compiled.max_compiled_tokens >= 8
+    assert compiled.compiled is not None and compiled.compiled.max_tokens >= 8
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, VOCAB, (250,), generator=generator)  # prefill (> 16 tokens) runs eager
     slots = {}
