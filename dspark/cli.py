@@ -246,6 +246,7 @@ def add_profile_parser(subparsers) -> None:
     parser.add_argument("--context-tokens", type=_positive_int, action="append",
                         help="cached context per request (repeatable; default 256)")
     add_dtype_arg(parser)
+    add_compile_arg(parser)  # the compiled forward's rates, cached apart: what `generate --compile` schedules by
     parser.set_defaults(handler=run_profile)
 
 
@@ -256,8 +257,8 @@ def run_profile(args: argparse.Namespace) -> None:
     loaded = load_target(args.target, args.dtype)
     profiles = {}
     for context in args.context_tokens or [256]:
-        cost = round_cost(loaded, args.max_concurrency, args.block_size, context, refresh=True)
-        print(f"context {context} tokens -> {profile_path(loaded, context)}", file=sys.stderr)
+        cost = round_cost(loaded, args.max_concurrency, args.block_size, context, refresh=True, compiled=args.compile)
+        print(f"context {context} tokens -> {profile_path(loaded, context, args.compile)}", file=sys.stderr)
         for requests, table in sorted(cost.verify.items()):
             base = table(requests)
             for b in range(requests, requests * (args.block_size + 1) + 1):

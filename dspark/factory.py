@@ -28,12 +28,14 @@ def scheduler_for(name: str, drafter: Drafter, block_size: int) -> str:
     return name
 
 
-def step_rates(loaded: LoadedTarget, scheduler: str, block_size: int, max_concurrency: int = 1) -> RoundCost | None:
+def step_rates(loaded: LoadedTarget, scheduler: str, block_size: int, max_concurrency: int = 1,
+               compiled: bool = False, layer_ids: tuple[int, ...] = ()) -> RoundCost | None:
     """SPS_R(B) for the "dspark*" schedulers (None for the others), for rounds of up to `max_concurrency`
-    requests of γ + 1 tokens; profiled once per target and cached (`dspark.profiling`)."""
+    requests of γ + 1 tokens; profiled once per target and forward (eager or `compiled`) and cached
+    (`dspark.profiling`): the compiled forward's steps are cheaper, so a round's drafts are worth another count."""
     if not scheduler.startswith("dspark"):
         return None
-    return round_cost(loaded, max_concurrency, block_size)
+    return round_cost(loaded, max_concurrency, block_size, compiled=compiled, layer_ids=layer_ids)
 
 
 def build_engine(
@@ -64,7 +66,9 @@ def build_engine(
     block_size = resolve_block_size(block_size, drafter_limit=drafter.max_block_size, scheduler=scheduler)
     chosen = scheduler if as_named else scheduler_for(scheduler, drafter, block_size)
     if sps is None:
-        sps = step_rates(loaded, chosen, block_size, max_concurrency)
+        # compiled: profiled with the drafter's feature layers, so profile and engine share one compilation
+        layer_ids = drafter.target_layer_ids if compile else ()
+        sps = step_rates(loaded, chosen, block_size, max_concurrency, compile, layer_ids)
     if plans_drafting(chosen) and block_size > 0 and isinstance(sps, RoundCost) and not sps.draft_seconds:
         # it decides who drafts before drafting, so it weighs the drafter's (profiled) cost too
         sps = RoundCost(sps.verify, draft_cost(loaded, drafter, max_concurrency, block_size))

@@ -25,13 +25,15 @@ _COSTS: dict[Path, RoundCost] = {}
 _DRAFTS: dict[Path, dict[int, float]] = {}
 
 
-def _target_tag(loaded: LoadedTarget) -> str:
+def _target_tag(loaded: LoadedTarget, compiled: bool = False) -> str:
     model = loaded.model
     dtype = target_dtype_name(model)  # int4 apart
     if dtype in ("bfloat16", "float32") and supports_ragged(model) and auto_packed(model):
         dtype += "-packed"  # the forward with oneDNN-packed weights has another cost curve than the plain one
     if supports_ragged(model) and default_attention_dtype(model.dtype, model.device) != model.dtype:
         dtype += "-attn32"  # likewise float32 attention over a half-precision target
+    if compiled and supports_ragged(model):
+        dtype += "-compiled"  # `dspark.compiled`: one-request steps cost ~2/3 of the eager ones on a CPU
     return f"{loaded.name}-{model.device.type}-{dtype}-t{torch.get_num_threads()}"
 
 
@@ -39,9 +41,9 @@ def _safe(tag: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
 
 
-def profile_path(loaded: LoadedTarget, context_tokens: int) -> Path:
+def profile_path(loaded: LoadedTarget, context_tokens: int, compiled: bool = False) -> Path:
     # "-v2": timed interleaved and fitted piecewise-linearly on a CPU since session 14 (v1 files could read flat)
-    return cache_dir() / "profiles" / f"{_safe(_target_tag(loaded))}-ctx{context_tokens}-by-requests-v2.json"
+    return cache_dir() / "profiles" / f"{_safe(_target_tag(loaded, compiled))}-ctx{context_tokens}-by-requests-v2.json"
 
 
 def request_counts(max_requests: int) -> list[int]:
@@ -56,13 +58,15 @@ def _spread(num_tokens: int, num_requests: int) -> list[int]:
 
 
 def measure_verify(loaded: LoadedTarget, max_requests: int, tokens_per_request: int, context_tokens: int = 256,
-                   repeats: int = 7) -> dict[int, SPSTable]:
+                   repeats: int = 7, compiled: bool = False, layer_ids: tuple[int, ...] = ()) -> dict[int, SPSTable]:
     """SPS_R(B) for each R of `request_counts(max_requests)` and B = R..R·tokens_per_request, as the engine
     issues them: one forward of the engine's backend over R requests, each on a cache of `context_tokens`
     (rolled back after each). B is measured densely up to 32 and every 8 tokens beyond (interpolated between);
     B < R is not a round of R requests and reads as B = R. All cells are timed interleaved, median of `repeats`;
-    on a CPU each curve is a piecewise-linear least-squares fit of its cells (`SPSTable.from_measurements`)."""
-    backend = make_backend(loaded.model, max_slots=max_requests)
+    on a CPU each curve is a piecewise-linear least-squares fit of its cells (`SPSTable.from_measurements`).
+    `compiled`: through the compiled forward the engine will run (`dspark.compiled`), for the drafter's
+    `layer_ids`, so the one compilation serves both."""
+    backend = make_backend(loaded.model, layer_ids, max_slots=max_requests, compile=compiled)
     vocab = min(int(loaded.model.get_output_embeddings().weight.shape[0]), 1000)
     generator = torch.Generator().manual_seed(0)
     slots = [backend.allocate() for _ in range(max_requests)]
@@ -101,11 +105,12 @@ def _covers(cost: RoundCost, max_requests: int, tokens_per_request: int) -> bool
 
 
 def round_cost(loaded: LoadedTarget, max_requests: int, block_size: int, context_tokens: int = 256,
-               refresh: bool = False) -> RoundCost:
+               refresh: bool = False, compiled: bool = False, layer_ids: tuple[int, ...] = ()) -> RoundCost:
     """The cached step rates when they cover rounds of up to `max_requests` requests of γ + 1 tokens, else a
-    fresh measurement (saved). Kept in memory too, so per-request engines do not re-read the file."""
+    fresh measurement (saved). Kept in memory too, so per-request engines do not re-read the file. `compiled`:
+    the rates of the compiled forward, cached apart (measured with `layer_ids`, the drafter's features)."""
     tokens_per_request = block_size + 1
-    path = profile_path(loaded, context_tokens)
+    path = profile_path(loaded, context_tokens, compiled)
     remembered = _COSTS.get(path)
     if remembered is not None and _covers(remembered, max_requests, tokens_per_request) and not refresh:
         return remembered
@@ -119,7 +124,8 @@ def round_cost(loaded: LoadedTarget, max_requests: int, block_size: int, context
             pass
     log(f"profiling {loaded.name}'s step rate for rounds of 1..{max_requests} requests of up to "
         f"{tokens_per_request} tokens (once; cached in {path})")
-    cost = RoundCost(measure_verify(loaded, max_requests, tokens_per_request, context_tokens))
+    cost = RoundCost(measure_verify(loaded, max_requests, tokens_per_request, context_tokens, compiled=compiled,
+                                    layer_ids=layer_ids))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(cost.to_json())
     _COSTS[path] = cost

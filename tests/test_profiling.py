@@ -9,7 +9,7 @@ from test_engine import random_dspark
 from dspark import profiling
 from dspark.factory import build_engine
 from dspark.loading import LoadedTarget
-from dspark.scheduler import RoundCost
+from dspark.scheduler import RoundCost, SPSTable
 
 
 def test_request_counts_are_powers_of_two_and_the_maximum():
@@ -124,3 +124,32 @@ def test_draft_profile_times_the_model_behind_a_lookup_and_the_commit_it_project
     assert len(calls) == 2 * (1 + 3)  # per request count: the warm-up and every timed proposal ran the model
     timed = [calls[i] for i in (1, 2, 3, 5, 6, 7)]
     assert all(pending > 0 for pending in timed)
+
+
+def test_compiled_engines_schedule_by_the_compiled_forwards_step_rates(tmp_path, monkeypatch):
+    """`--compile` makes a step ~2/3 as costly, which changes how many drafts pay: the dspark scheduler of a
+    compiled engine reads rates measured through the compiled forward (with the drafter's feature layers, so the
+    profile's compilation is the engine's), cached apart from the eager ones."""
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    monkeypatch.setattr(profiling, "_COSTS", {})
+    calls = []
+
+    def measured(loaded, max_requests, tokens_per_request, context_tokens=256, repeats=7, compiled=False,
+                 layer_ids=()):
+        calls.append((compiled, layer_ids))
+        rate = 90.0 if compiled else 60.0
+        return {1: SPSTable.from_measurements([rate / (1 + 0.1 * b) for b in range(1, tokens_per_request + 1)])}
+
+    monkeypatch.setattr(profiling, "measure_verify", measured)
+    model = tiny_model("llama", num_layers=3)
+    loaded = LoadedTarget(model, None, "tiny", None)
+    drafter = random_dspark(model)
+    eager = build_engine(loaded, drafter, scheduler="dspark", block_size=3)
+    compiled = build_engine(loaded, drafter, scheduler="dspark", block_size=3, compile=True)
+    assert calls == [(False, ()), (True, drafter.target_layer_ids)]
+    assert compiled.cost.curve(1)(1) == pytest.approx(1.5 * eager.cost.curve(1)(1))
+    compiled_path = profiling.profile_path(loaded, 256, compiled=True)
+    assert "-compiled" in compiled_path.name and compiled_path.is_file()
+    assert profiling.profile_path(loaded, 256).is_file()
+    build_engine(loaded, drafter, scheduler="dspark", block_size=3, compile=True)
+    assert len(calls) == 2  # each profile measured once
