@@ -77,8 +77,9 @@ class CompiledDecode(nn.Module):
             v = qkv[:, (heads + kv_heads) * hd :].view(n, kv_heads, hd)
             qk = rotate(qkv[:, : (heads + kv_heads) * hd].view(n, heads + kv_heads, hd), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
-            keys[index][slot, :, start : start + n] = k.to(self.attention_dtype).transpose(0, 1)
-            values[index][slot, :, start : start + n] = v.to(self.attention_dtype).transpose(0, 1)
+            # slices, not `[slot]`: an integer index is a guard on its value (a graph per slot), a slice bound is not
+            keys[index][slot : slot + 1, :, start : start + n] = k.to(self.attention_dtype).transpose(0, 1)[None]
+            values[index][slot : slot + 1, :, start : start + n] = v.to(self.attention_dtype).transpose(0, 1)[None]
             out = F.scaled_dot_product_attention(
                 q.to(self.attention_dtype).transpose(0, 1)[None], keys[index][slot : slot + 1, :, : start + n],
                 values[index][slot : slot + 1, :, : start + n], attn_mask=mask, enable_gqa=self.gqa,

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 from conftest import VOCAB, tiny_model
+from torch._dynamo.utils import counters
 
 from dspark.compiled import CompiledRunner, compilable
 from dspark.drafters.base import NoDrafter
@@ -51,6 +52,27 @@ def test_compiled_forward_computes_what_the_eager_one_does(llama):
     compiled.rollback(slots["compiled"], length)
     last = compiled.forward([Segment(slots["compiled"], block, "last")])[0].logits
     torch.testing.assert_close(last, first[-1:])
+
+
+def test_every_slot_shares_the_compiled_graphs(llama):
+    """A server decodes in whichever slot a request holds: a slot must not be a guard (it was, a graph per slot,
+    and past dynamo's 8 graphs the rest ran eager)."""
+    layer_ids = (-1, 0, 1)  # the first test's compilation, shared through the model
+    eager = RaggedBackend(llama, layer_ids, max_slots=4)
+    compiled = RaggedBackend(llama, layer_ids, max_slots=4, compile=True)
+    prompt = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
+    for backend in (eager, compiled):
+        assert [backend.allocate() for _ in range(4)] == [0, 1, 2, 3]
+    graphs = []
+    for slot in range(1, 4):
+        for backend in (eager, compiled):
+            backend.forward([Segment(slot, prompt, "none")])
+        for block in (torch.tensor([5]), torch.tensor([6, 7, 8])):
+            want = eager.forward([Segment(slot, block, "all")])[0].logits
+            got = compiled.forward([Segment(slot, block, "all")])[0].logits
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1] == graphs[2] and compiled.compiled.failed is None
 
 
 @pytest.mark.parametrize("drafter", [NgramDrafter, NoDrafter], ids=["ngram", "none"])
