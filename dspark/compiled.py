@@ -10,7 +10,8 @@ plain and their matmuls get slower).
 `CompiledDecode` is the ragged forward's arithmetic for one request (`dspark.ragged.RaggedBackend`), reading and
 writing the backend's own slot cache, so eager and compiled forwards can alternate on one slot (prefill chunks
 run eager, decode and verify steps compiled). Compiled with dynamic shapes: one graph for one new token and one for
-more (dynamic shapes specialise size 1), none per context length. Weights are frozen at the first call: for
+more (dynamic shapes specialise size 1), none per context length, and one such pair for slot 0 and one shared by
+every other slot (inductor's in-place pass guards `slot == 0`). Weights are frozen at the first call: for
 inference only; a model whose weights are written afterwards needs a new backend.
 
 Not bit-identical to the eager forward (fused kernels round bf16 differently), so speculative decoding is exact
@@ -70,6 +71,9 @@ class CompiledDecode(nn.Module):
         cos, sin = cos[0][:, None], half_signed(sin[0][:, None])
         columns = torch.arange(start + n, device=tokens.device)
         mask = columns[None, :] <= positions[:, None]
+        # the slot's cache rows as a slice, never `[slot]`: an integer index is a guard on its value (a graph per
+        # slot), a slice bound is not
+        rows = slice(slot, slot + 1)
         features = {-1: x} if -1 in self.layer_ids else {}
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm)
@@ -77,12 +81,11 @@ class CompiledDecode(nn.Module):
             v = qkv[:, (heads + kv_heads) * hd :].view(n, kv_heads, hd)
             qk = rotate(qkv[:, : (heads + kv_heads) * hd].view(n, heads + kv_heads, hd), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
-            # slices, not `[slot]`: an integer index is a guard on its value (a graph per slot), a slice bound is not
-            keys[index][slot : slot + 1, :, start : start + n] = k.to(self.attention_dtype).transpose(0, 1)[None]
-            values[index][slot : slot + 1, :, start : start + n] = v.to(self.attention_dtype).transpose(0, 1)[None]
+            keys[index][rows, :, start : start + n] = k.to(self.attention_dtype).transpose(0, 1)[None]
+            values[index][rows, :, start : start + n] = v.to(self.attention_dtype).transpose(0, 1)[None]
             out = F.scaled_dot_product_attention(
-                q.to(self.attention_dtype).transpose(0, 1)[None], keys[index][slot : slot + 1, :, : start + n],
-                values[index][slot : slot + 1, :, : start + n], attn_mask=mask, enable_gqa=self.gqa,
+                q.to(self.attention_dtype).transpose(0, 1)[None], keys[index][rows, :, : start + n],
+                values[index][rows, :, : start + n], attn_mask=mask, enable_gqa=self.gqa,
             )[0].transpose(0, 1)
             x = x + F.linear(out.reshape(n, -1).to(x.dtype), layer.o_proj)
             h = rms_norm(x, layer.post_norm)
