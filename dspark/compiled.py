@@ -139,6 +139,10 @@ class CompiledRunner:
                  values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         if self.failed is not None:
             return None
+        # a copy made here is an inference tensor whoever made `tokens` (a warm-up inside inference mode, an engine
+        # outside it): dynamo guards on a tensor's dispatch keys, and the other kind would compile every graph again
+        with torch.inference_mode():
+            tokens = tokens.clone()
         try:  # the settings as a patch around the call: `torch.compile(options=...)` does not apply `freezing`
             with inductor_config.patch(INDUCTOR_OPTIONS):
                 return self.compiled(tokens, start, slot, keys, values)

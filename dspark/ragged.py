@@ -173,6 +173,34 @@ class RaggedBackend:
     def length(self, slot: int) -> int:
         return self.cache.lengths[slot]
 
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Compile every graph the compiled forward will run (a one-token and a verify step, on slot 0 and on
+        another slot: `dspark.compiled` has a pair for slot 0 and one shared by the rest) before any request
+        needs them, so a server compiles before it listens rather than inside its first requests' deadlines.
+        Needs an idle backend: it borrows slots 0 and 1 and leaves the free list as it found it. Returns how
+        many steps ran compiled (0 without a compiled forward)."""
+        if self.compiled is None:
+            return 0
+        if len(self.free) != self.max_slots:
+            raise RuntimeError(f"warm_up needs an idle backend; {self.max_slots - len(self.free)} slots are in use")
+        free, slots = list(self.free), list(range(min(2, self.max_slots)))
+        self.free = [slot for slot in free if slot not in slots]
+        context = self.compiled.max_tokens + 1  # a prefill longer than a compiled step: it runs eager
+        steps = 0
+        try:
+            for slot in slots:
+                self.forward([Segment(slot, torch.zeros(context, dtype=torch.long), "none")])
+                for size in (1, 2):  # dynamic shapes specialise size 1: one graph for it, one for the rest
+                    self.forward([Segment(slot, torch.zeros(size, dtype=torch.long), "all")])
+                    self.rollback(slot, context)
+                    steps += self.compiled.failed is None
+        finally:
+            for slot in slots:
+                self.cache.lengths[slot] = 0
+            self.free = free
+        return steps
+
     def rollback(self, slot: int, length: int) -> None:
         """Keep the first `length` cached positions of `slot` (drop rejected drafts)."""
         if not 0 <= length <= self.cache.lengths[slot]:

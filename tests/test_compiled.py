@@ -75,6 +75,37 @@ def test_every_slot_shares_the_compiled_graphs(llama):
     assert graphs[0] == graphs[1] == graphs[2] and compiled.compiled.failed is None
 
 
+def test_warm_up_compiles_every_graph_before_the_first_request():
+    """A compiled server warms up before it listens: afterwards no slot, length or step size compiles again, and
+    the slots come back free in the order `allocate` hands them out."""
+    model = tiny_model("llama", seed=4)  # its own compilation: nothing compiled yet
+    eager = RaggedBackend(model, (0, 1), max_slots=3)
+    compiled = RaggedBackend(model, (0, 1), max_slots=3, compile=True)
+    before = counters["stats"]["unique_graphs"]
+    assert compiled.warm_up() == 4  # a one-token and a verify step, on slot 0 and on slot 1
+    warmed = counters["stats"]["unique_graphs"]
+    assert warmed > before and compiled.free == [2, 1, 0] and compiled.cache.lengths == [0, 0, 0]
+    prompt = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(2))
+    for backend in (eager, compiled):
+        assert [backend.allocate() for _ in range(3)] == [0, 1, 2]
+        for slot in range(3):
+            backend.forward([Segment(slot, prompt[: 20 + 5 * slot], "none")])
+    for slot in (2, 0, 1):
+        for block in (torch.tensor([5]), torch.tensor([6, 7, 8, 9]), torch.tensor([4])):
+            want = eager.forward([Segment(slot, block, "all")])[0].logits
+            got = compiled.forward([Segment(slot, block, "all")])[0].logits
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == warmed and compiled.compiled.failed is None
+
+
+def test_warm_up_refuses_a_busy_backend_and_is_free_without_a_compiled_forward(llama):
+    assert RaggedBackend(llama, ()).warm_up() == 0  # eager: nothing to compile
+    busy = RaggedBackend(llama, (), max_slots=2, compile=True)
+    busy.allocate()
+    with pytest.raises(RuntimeError, match="idle"):
+        busy.warm_up()
+
+
 @pytest.mark.parametrize("drafter", [NgramDrafter, NoDrafter], ids=["ngram", "none"])
 def test_greedy_speculative_decoding_is_vanilla_decoding_with_the_same_compiled_forward(llama, drafter):
     prompt = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 11, 5, 6])  # repeats: the n-gram drafter drafts

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dspark.api import generate
+from dspark.ragged import RaggedBackend
 from dspark.server.app import build_server
 
 KEY = "sk-test"
@@ -60,6 +61,16 @@ class ThreadedServer:
 def tiny_paths(tiny_on_disk, tmp_path_factory):
     os.environ["DSPARK_CACHE"] = str(tmp_path_factory.getbasetemp() / "dspark-cache")  # SPS profile, once a session
     return str(tiny_on_disk / "target"), str(tiny_on_disk / "drafter")
+
+
+def test_a_compiled_server_compiles_before_it_listens(tiny_paths, monkeypatch, capsys):
+    """With --compile the graphs are compiled while the server is built, not inside its first requests."""
+    warmed = []
+    monkeypatch.setattr(RaggedBackend, "warm_up", lambda backend: warmed.append(backend.compiled is not None) or 4)
+    build_server(*tiny_paths, scheduler="fixed", max_concurrency=2)
+    assert warmed == []
+    build_server(*tiny_paths, scheduler="fixed", max_concurrency=2, compile=True)
+    assert warmed == [True] and "4 compiled steps ready" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

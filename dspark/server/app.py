@@ -25,11 +25,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.drafters import DEFAULT_DRAFTER
-from dspark.engine import GenerationFailed
+from dspark.engine import Engine, GenerationFailed
 from dspark.engine import Request as EngineRequest
 from dspark.errors import DsparkError
 from dspark.factory import build_engine
 from dspark.loading import LoadedTarget, TargetSpec, target_dtype_name
+from dspark.loading import log as say
 from dspark.sampling import make_generator
 from dspark.server.guards import AllowedHosts, BodyLimit, key_matches
 from dspark.server.limits import RETRY_AFTER_S, ServerLimits, check_request, completion_max_tokens
@@ -382,6 +383,17 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=500)
 
 
+def warm_up(engine: Engine) -> None:
+    """Compile the target's compiled forward before listening (minutes on a CPU), not in the first requests."""
+    backend_warm_up = getattr(engine.backend, "warm_up", None)
+    if backend_warm_up is None:
+        return
+    say("--compile: compiling the decode and verify forwards before listening (about a minute per graph)")
+    began = time.monotonic()
+    steps = backend_warm_up()
+    say(f"--compile: {steps} compiled steps ready in {time.monotonic() - began:.0f} s")
+
+
 def build_server(target: TargetSpec = "default", drafter: str = DEFAULT_DRAFTER, *,
                  scheduler: str = "dspark-async",
                  max_concurrency: int = 8, max_queue: int = 64, block_size: int | None = None,
@@ -400,6 +412,8 @@ def build_server(target: TargetSpec = "default", drafter: str = DEFAULT_DRAFTER,
     engine = build_engine(loaded, drafter_model, scheduler=scheduler, block_size=block_size,
                           max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=window,
                           draft_gate=draft_gate, compile=compile)
+    if compile:
+        warm_up(engine)
     config = ServerConfig(served_model_name or loaded.name, api_key, window, limits or ServerLimits(),
                           public_metrics, tuple(allowed_hosts))
     return create_app(loaded, EngineService(engine, max_queue), config)
