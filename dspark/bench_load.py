@@ -57,11 +57,11 @@ def policy_gate(policy: str, block_size: int) -> DraftGate | None:
 
 
 def run_level(loaded, drafter, prompts: list[torch.Tensor], policy: str, concurrency: int, max_new_tokens: int,
-              block_size: int, sps, gate: DraftGate | None = None) -> dict:
+              block_size: int, sps, gate: DraftGate | None = None, compile: bool = False) -> dict:
     """Serve every prompt with `policy` at `concurrency`; aggregate and per-user speed."""
     engine = build_engine(loaded, drafter, scheduler=split_policy(policy)[0], block_size=block_size,
                           max_concurrency=concurrency, sps=sps, as_named=True,
-                          draft_gate=False if gate is None else gate)
+                          draft_gate=False if gate is None else gate, compile=compile)
     eos = eos_token_ids(loaded)
     requests = [Request(ids, max_new_tokens, eos_token_ids=eos) for ids in prompts]
     start = time.perf_counter()
@@ -97,8 +97,10 @@ def run_load_bench(args: argparse.Namespace) -> dict:
     levels = concurrency_levels(args.max_concurrency)
     names = [split_policy(p)[0] for p in policies]
     sps = None  # one profile, for the largest concurrency, shared by every level
-    if any(name.startswith("dspark") for name in names):
-        sps = step_rates(loaded, "dspark", block_size, args.max_concurrency)
+    compile = getattr(args, "compile", False)
+    if any(name.startswith("dspark") for name in names):  # compiled: the compiled forward's rates, cached apart
+        sps = step_rates(loaded, "dspark", block_size, args.max_concurrency, compile,
+                         drafter.target_layer_ids if compile else ())
     if any(plans_drafting(name) for name in names) and block_size > 0:  # drafting cost, once for all levels
         sps = RoundCost(sps.verify, draft_cost(loaded, drafter, args.max_concurrency, block_size))
 
@@ -110,13 +112,18 @@ def run_load_bench(args: argparse.Namespace) -> dict:
         for gate in filter(None, gates.values()):
             gate.trace = []
     run_level(loaded, drafter, prompts[:1], policies[0], 1, 4, block_size, sps)  # warm-up
+    if compile:  # every graph compiled before the first timed pass (engines share them through the model)
+        backend = build_engine(loaded, drafter, scheduler="none", block_size=block_size,
+                               max_concurrency=args.max_concurrency, sps=sps, as_named=True, draft_gate=False,
+                               compile=True).backend
+        getattr(backend, "warm_up", lambda: 0)()
     for index, level in enumerate(levels):
         passes: dict[str, list[dict]] = {p: [] for p in policies}
         for repeat in range(args.repeats):  # each pass in another rotated order; a slow spell hits one pass
             shift = (index + repeat) % len(policies)
             for policy in policies[shift:] + policies[:shift]:
                 passes[policy].append(run_level(loaded, drafter, prompts, policy, level, args.max_new_tokens,
-                                                block_size, sps, gates[policy]))
+                                                block_size, sps, gates[policy], compile))
                 if trace is not None and gates[policy] is not None:
                     _write_trace(trace, gates[policy], policy, level, repeat)
         measured = {policy: _median_pass(rows) for policy, rows in passes.items()}
@@ -141,6 +148,7 @@ def run_load_bench(args: argparse.Namespace) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(),
+        "compile": compile,
         "concurrency": levels,
         "policies": results,
     }

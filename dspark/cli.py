@@ -140,6 +140,9 @@ def add_bench_parser(subparsers) -> None:
                            "tokens, seconds; or why it was not measured) here as JSON lines "
                            "(python scripts/gate_trace.py FILE summarises it)")
     load.add_argument("--json", action="store_true", help="(the JSON line is always printed last)")
+    load.add_argument("--compile", action="store_true",
+                      help="the target's decode and verify steps torch.compile'd, single requests and rounds of "
+                           "several alike (compiled once, before the first timed pass)")
     add_dtype_arg(load)
     load.set_defaults(handler=run_bench_load)
     ragged = bench.add_parser("ragged", help="loop vs padded attention in the ragged batched forward")

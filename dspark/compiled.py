@@ -19,15 +19,16 @@ against vanilla decoding *with the same compiled forward*, as the eager bf16 for
 "Exactness per dtype").
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch._inductor.config as inductor_config
+import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
 from torch import nn
 
 from dspark.loading import log
-from dspark.ragged import half_signed, rms_norm, rotate
+from dspark.ragged import BatchLayout, half_signed, padded_attention, rms_norm, rotate
 
 #: the most new tokens a compiled forward takes: decode and verify steps (γ + 1 ≤ 16); prefill chunks run eager
 MAX_COMPILED_TOKENS = 16
@@ -64,16 +65,31 @@ class CompiledDecode(nn.Module):
         """Logits (n, V) of every new token and the hidden states of `layer_ids` (n, D·len) or None; writes
         the new keys and values at [start, start + n) of `slot`."""
         n = tokens.shape[0]
-        heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
         positions = torch.arange(start, start + n, device=tokens.device)
-        x = self.embed(tokens)
-        cos, sin = self.rotary(x, positions[None])
-        cos, sin = cos[0][:, None], half_signed(sin[0][:, None])
-        columns = torch.arange(start + n, device=tokens.device)
-        mask = columns[None, :] <= positions[:, None]
+        mask = torch.arange(start + n, device=tokens.device)[None, :] <= positions[:, None]
         # the slot's cache rows as a slice, never `[slot]`: an integer index is a guard on its value (a graph per
         # slot), a slice bound is not
         rows = slice(slot, slot + 1)
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys[index][rows, :, start : start + n] = k.transpose(0, 1)[None]
+            values[index][rows, :, start : start + n] = v.transpose(0, 1)[None]
+            return F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys[index][rows, :, : start + n], values[index][rows, :, : start + n],
+                attn_mask=mask, enable_gqa=self.gqa,
+            )[0].transpose(0, 1)
+
+        return self.run_layers(tokens, positions, attend)
+
+    def run_layers(self, tokens: torch.Tensor, positions: torch.Tensor,
+                   attend: Callable) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward around its attention: `attend(layer index, q, k, v)` ((n, heads, hd) each, in the cache's
+        dtype) writes the cache and returns the attention output (n, heads, hd)."""
+        n = tokens.shape[0]
+        heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        x = self.embed(tokens)
+        cos, sin = self.rotary(x, positions[None])
+        cos, sin = cos[0][:, None], half_signed(sin[0][:, None])
         features = {-1: x} if -1 in self.layer_ids else {}
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm)
@@ -81,12 +97,7 @@ class CompiledDecode(nn.Module):
             v = qkv[:, (heads + kv_heads) * hd :].view(n, kv_heads, hd)
             qk = rotate(qkv[:, : (heads + kv_heads) * hd].view(n, heads + kv_heads, hd), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
-            keys[index][rows, :, start : start + n] = k.to(self.attention_dtype).transpose(0, 1)[None]
-            values[index][rows, :, start : start + n] = v.to(self.attention_dtype).transpose(0, 1)[None]
-            out = F.scaled_dot_product_attention(
-                q.to(self.attention_dtype).transpose(0, 1)[None], keys[index][rows, :, : start + n],
-                values[index][rows, :, : start + n], attn_mask=mask, enable_gqa=self.gqa,
-            )[0].transpose(0, 1)
+            out = attend(index, *(t.to(self.attention_dtype) for t in (q, k, v)))
             x = x + F.linear(out.reshape(n, -1).to(x.dtype), layer.o_proj)
             h = rms_norm(x, layer.post_norm)
             gate, up = F.linear(h, layer.gate_up).chunk(2, -1)
@@ -101,6 +112,23 @@ class CompiledDecode(nn.Module):
         return F.linear(rms_norm(x, self.norm), self.head_weight).float(), hidden
 
 
+class CompiledBatch(CompiledDecode):
+    """The same forward for a round of several requests (each segment ≤ MAX_COMPILED_TOKENS), attention padded:
+    one SDPA over the cache rows of a range of slots read as a view (`BatchLayout`), as the eager forward's
+    `padded` attention does, so that no shape is a per-request Python loop and the graph serves any round."""
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: BatchLayout, keys: list[torch.Tensor],
+                values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (N, V) and hidden states (N, D·len) of every new token of the round, flat; writes each token's
+        keys and values at its (slot, position)."""
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys[index][layout.slot_index, :, positions] = k
+            values[index][layout.slot_index, :, positions] = v
+            return padded_attention(q, keys[index], values[index], layout, self.gqa)
+
+        return self.run_layers(tokens, positions, attend)
+
+
 def compilable(backend) -> bool:
     """Whether `CompiledDecode` computes this backend's forward: dense (not int4) Llama-style layers without
     q/k norms (Qwen3's run eager), no sliding window."""
@@ -110,15 +138,16 @@ def compilable(backend) -> bool:
             and isinstance(getattr(backend.model.get_output_embeddings(), "weight", None), torch.Tensor))
 
 
-def compiled_decode(backend) -> "CompiledRunner | None":
-    """The compiled forward for `backend`'s model and layer ids, made once per (model, layer ids): every
-    backend on the model (one engine per prompt in a benchmark) shares one compilation. None, said once per
-    model, where `compilable` says no."""
+def compiled_decode(backend, batched: bool = False) -> "CompiledRunner | None":
+    """The compiled forward for `backend`'s model and layer ids, one request's (`CompiledDecode`) or a round's of
+    several (`batched`, `CompiledBatch`), made once per (model, layer ids): every backend on the model (one
+    engine per prompt in a benchmark) shares one compilation. None, said once per model, where `compilable` says no."""
     cache = backend.model.__dict__.setdefault("_dspark_compiled", {})
-    key = (backend.layer_ids, backend.attention_dtype)
+    key = (backend.layer_ids, backend.attention_dtype, batched)
     if key not in cache:
-        cache[key] = CompiledRunner(CompiledDecode(backend, backend.layer_ids).eval()) if compilable(backend) else None
-        if cache[key] is None:
+        kind = CompiledBatch if batched else CompiledDecode
+        cache[key] = CompiledRunner(kind(backend, backend.layer_ids).eval()) if compilable(backend) else None
+        if cache[key] is None and not batched:
             log(f"--compile: {backend.config.model_type} layers of this form run eager (q/k norms, int4 or a window)")
     return cache[key]
 
@@ -127,7 +156,7 @@ class CompiledRunner:
     """Calls the compiled module; if compiling or running it fails once (no C++ compiler, an inductor bug), says
     why on stderr and answers None from then on, so the backend runs its eager forward instead."""
 
-    #: the most new tokens a call takes (more: the backend's eager forward)
+    #: the most new tokens a call takes per request (more: the backend's eager forward)
     max_tokens = MAX_COMPILED_TOKENS
 
     def __init__(self, module: CompiledDecode) -> None:
@@ -135,8 +164,8 @@ class CompiledRunner:
         self.compiled = torch.compile(module, dynamic=True)
         self.failed: str | None = None
 
-    def __call__(self, tokens: torch.Tensor, start: int, slot: int, keys: list[torch.Tensor],
-                 values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def __call__(self, tokens: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The module's forward on (tokens, *args), or None once compiling or running it has failed."""
         if self.failed is not None:
             return None
         # a copy made here is an inference tensor whoever made `tokens` (a warm-up inside inference mode, an engine
@@ -144,8 +173,10 @@ class CompiledRunner:
         with torch.inference_mode():
             tokens = tokens.clone()
         try:  # the settings as a patch around the call: `torch.compile(options=...)` does not apply `freezing`
-            with inductor_config.patch(INDUCTOR_OPTIONS):
-                return self.compiled(tokens, start, slot, keys, values)
+            # no duck sizing: sizes that happen to be equal when a graph is traced (8 slots, 8 tokens) would become
+            # one symbol, and the graph would be traced again the first time they differ
+            with inductor_config.patch(INDUCTOR_OPTIONS), shape_config.patch(use_duck_shape=False):
+                return self.compiled(tokens, *args)
         except Exception as error:  # noqa: BLE001 - any compile failure falls back to the eager forward
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             log(f"compiled forward unavailable ({self.failed}); running eager")

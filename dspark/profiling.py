@@ -33,7 +33,9 @@ def _target_tag(loaded: LoadedTarget, compiled: bool = False) -> str:
     if supports_ragged(model) and default_attention_dtype(model.dtype, model.device) != model.dtype:
         dtype += "-attn32"  # likewise float32 attention over a half-precision target
     if compiled and supports_ragged(model):
-        dtype += "-compiled"  # `dspark.compiled`: one-request steps cost ~2/3 of the eager ones on a CPU
+        # `dspark.compiled`: steps cost ~2/3 of the eager ones on a CPU; "2" since rounds of several requests run
+        # compiled too (session 26), so files measured with eager batched rounds are not read
+        dtype += "-compiled2"
     return f"{loaded.name}-{model.device.type}-{dtype}-t{torch.get_num_threads()}"
 
 

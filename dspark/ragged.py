@@ -12,9 +12,11 @@ holds one slot per request with its own length, so rolling a request back is set
 """
 
 import dataclasses
+import itertools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -142,11 +144,13 @@ class RaggedBackend:
         self.cache = SlotCache(self.num_layers, max_slots, self.num_kv_heads, self.head_dim, self.attention_dtype,
                                self.device)
         self.free = list(range(max_slots))[::-1]
-        self.compiled = None  # the shared compiled one-request forward (`dspark.compiled`), where it runs this model
+        # the shared compiled forwards (`dspark.compiled`), where they run this model: one request's, a round's
+        self.compiled = self.compiled_batch = None
         if compile:
             from dspark.compiled import compiled_decode
 
             self.compiled = compiled_decode(self)
+            self.compiled_batch = compiled_decode(self, batched=True) if max_slots > 1 else None
 
     @property
     def device(self) -> torch.device:
@@ -175,26 +179,33 @@ class RaggedBackend:
 
     @torch.inference_mode()
     def warm_up(self) -> int:
-        """Compile every graph the compiled forward will run (a one-token and a verify step, on slot 0 and on
-        another slot: `dspark.compiled` has a pair for slot 0 and one shared by the rest) before any request
-        needs them, so a server compiles before it listens rather than inside its first requests' deadlines.
-        Needs an idle backend: it borrows slots 0 and 1 and leaves the free list as it found it. Returns how
-        many steps ran compiled (0 without a compiled forward)."""
+        """Compile every graph the compiled forwards will run before any request needs them, so a server compiles
+        before it listens rather than inside its first requests' deadlines: one request's one-token and verify
+        steps on slot 0 and on slot 1 (`dspark.compiled` has a pair for slot 0 and one shared by the rest), then
+        rounds of two requests of one and of two tokens each, from slot 0 and from slot 1. Needs an idle backend:
+        it borrows slots 0-2 and leaves the free list as it found it. Returns how many steps ran compiled (0
+        without a compiled forward)."""
         if self.compiled is None:
             return 0
         if len(self.free) != self.max_slots:
             raise RuntimeError(f"warm_up needs an idle backend; {self.max_slots - len(self.free)} slots are in use")
-        free, slots = list(self.free), list(range(min(2, self.max_slots)))
+        free, slots = list(self.free), list(range(min(3, self.max_slots)))
         self.free = [slot for slot in free if slot not in slots]
         context = self.compiled.max_tokens + 1  # a prefill longer than a compiled step: it runs eager
+        rounds = [[slot] for slot in slots[:2]]
+        if self.compiled_batch is not None:
+            rounds += [slots[first : first + 2] for first in range(len(slots) - 1)]
         steps = 0
         try:
             for slot in slots:
                 self.forward([Segment(slot, torch.zeros(context, dtype=torch.long), "none")])
+            for group in rounds:
+                runner = self.compiled if len(group) == 1 else self.compiled_batch
                 for size in (1, 2):  # dynamic shapes specialise size 1: one graph for it, one for the rest
-                    self.forward([Segment(slot, torch.zeros(size, dtype=torch.long), "all")])
-                    self.rollback(slot, context)
-                    steps += self.compiled.failed is None
+                    self.forward([Segment(slot, torch.zeros(size, dtype=torch.long), "all") for slot in group])
+                    for slot in group:
+                        self.rollback(slot, context)
+                    steps += runner.failed is None
         finally:
             for slot in slots:
                 self.cache.lengths[slot] = 0
@@ -220,18 +231,27 @@ class RaggedBackend:
         ends = [a + n for a, n in zip(starts, sizes, strict=True)]
         if self.window and max(ends) > self.window:
             raise DsparkError(f"context of {max(ends)} tokens exceeds the sliding window {self.window}")
-        compiled = self.compiled is not None and len(segments) == 1 and sizes[0] <= self.compiled.max_tokens
+        runner = self.compiled if len(segments) == 1 else self.compiled_batch
+        compiled = runner is not None and max(sizes) <= runner.max_tokens  # decode and verify steps; prefill eager
         # compiled: room past the end, since a cache read that ends at the capacity is contiguous, one that ends
         # before it is not, and the graph would be compiled again for the other case
         self.cache.reserve(max(ends) + compiled)
         device = self.device
-        if compiled:
-            result = self.compiled(segments[0].token_ids.to(device), starts[0], segments[0].slot, self.cache.keys,
-                                   self.cache.values)
-            if result is not None:  # else compiling failed (said once): the eager forward below
-                self.cache.lengths[segments[0].slot] = ends[0]
-                return [_one_output(segments[0], *result)]
         tokens = torch.cat([s.token_ids.to(device) for s in segments])
+        if compiled:
+            if len(segments) == 1:
+                result = runner(tokens, starts[0], segments[0].slot, self.cache.keys, self.cache.values)
+            else:
+                positions = torch.cat([torch.arange(a, e) for a, e in zip(starts, ends, strict=True)]).to(device)
+                layout = batch_layout([s.slot for s in segments], starts, sizes, device)
+                result = runner(tokens, positions, layout, self.cache.keys, self.cache.values)
+            if result is not None:  # else compiling failed (said once): the eager forward below
+                for segment, end in zip(segments, ends, strict=True):
+                    self.cache.lengths[segment.slot] = end
+                logits, hidden = result
+                offsets = [0, *itertools.accumulate(sizes)]
+                return [_one_output(segment, logits[a:b], None if hidden is None else hidden[a:b])
+                        for segment, a, b in zip(segments, offsets, offsets[1:], strict=False)]
         positions = torch.cat([torch.arange(a, e, device=device) for a, e in zip(starts, ends, strict=True)])
 
         inner = self.model.model
@@ -495,6 +515,56 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
+class BatchLayout(NamedTuple):
+    """Where a round's flat tokens sit: slot_index (N,) each token's slot; batch_index / row_index (N,) its row of
+    the padded (count, longest) query block; mask (count, 1, longest, context) what each padded query sees; the
+    block covers slots first_slot .. first_slot + count - 1 (slots in between that are not in the round are
+    padding, as are rows past a segment's end: they see position 0 only, so no softmax is empty)."""
+
+    slot_index: torch.Tensor
+    batch_index: torch.Tensor
+    row_index: torch.Tensor
+    mask: torch.Tensor
+    first_slot: int
+
+
+def batch_layout(slots: Sequence[int], starts: Sequence[int], sizes: Sequence[int],
+                 device: torch.device | str = "cpu") -> BatchLayout:
+    """The `BatchLayout` of segments (one per slot) of `sizes` new tokens after `starts` cached ones."""
+    first = min(slots)
+    count, longest = max(slots) - first + 1, max(sizes)
+    block_starts, block_sizes = [0] * count, [1] * count
+    for slot, start, size in zip(slots, starts, sizes, strict=True):
+        block_starts[slot - first], block_sizes[slot - first] = start, size
+    context = max(a + n for a, n in zip(starts, sizes, strict=True))
+    row = torch.arange(longest)
+    columns = torch.arange(context)
+    seen_up_to = torch.tensor(block_starts)[:, None] + row  # (count, longest)
+    padding = row[None, :] >= torch.tensor(block_sizes)[:, None]
+    mask = (columns <= seen_up_to[..., None]) & ~padding[..., None] | (padding[..., None] & (columns == 0))
+    segment = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(list(sizes)))
+    offsets = torch.tensor([0, *sizes]).cumsum(0)[:-1]
+    slot_of = torch.tensor(list(slots))
+    return BatchLayout(slot_of[segment].to(device), (slot_of - first)[segment].to(device),
+                       (torch.arange(int(segment.numel())) - offsets[segment]).to(device), mask[:, None].to(device),
+                       first)
+
+
+def padded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: BatchLayout,
+                     gqa: bool) -> torch.Tensor:
+    """Attention (N, H, hd) of a round's flat queries q (N, H, hd) over one layer's cache (slots, H_kv, capacity, hd),
+    as one SDPA over the padded block of `layout` (the slots' cache rows read as a view, no copy)."""
+    count, longest, context = layout.mask.shape[0], layout.mask.shape[2], layout.mask.shape[3]
+    rows = slice(layout.first_slot, layout.first_slot + count)  # a slice bound, not a guard, when compiled
+    padded = q.new_zeros(count, longest, q.shape[1], q.shape[2])
+    padded[layout.batch_index, layout.row_index] = q
+    out = F.scaled_dot_product_attention(
+        padded.transpose(1, 2), keys[rows, :, :context], values[rows, :, :context], attn_mask=layout.mask,
+        enable_gqa=gqa,
+    )
+    return out.transpose(1, 2)[layout.batch_index, layout.row_index]
+
+
 class _AttentionPlan:
     """Where each segment sits in the flat batch and in the cache; masks built once per forward."""
 
@@ -527,37 +597,8 @@ class _AttentionPlan:
 
     def padded_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          gqa: bool) -> torch.Tensor:
-        """One SDPA over (R, H, T_max, L_max) with a mask; padding rows attend to position 0. When the
-        segments' slots form a contiguous range (every slot busy, typically) the caches are read as a view,
-        else gathered."""
+        """One SDPA over the padded (count, H, longest, context) block of `batch_layout`: the cache rows of the
+        slots from the lowest to the highest of the round, read as a view."""
         if self._padded is None:
-            count = len(self.slots)
-            lowest = min(self.slots)
-            contiguous = sorted(self.slots) == list(range(lowest, lowest + count))
-            batch_of = [slot - lowest for slot in self.slots] if contiguous else list(range(count))
-            starts, sizes = [0] * count, [1] * count
-            for i, b in enumerate(batch_of):
-                starts[b], sizes[b] = self.starts[i], self.sizes[i]
-            longest = max(sizes)
-            context = max(a + n for a, n in zip(starts, sizes, strict=True))
-            cache_rows = slice(lowest, lowest + count) if contiguous else torch.tensor(self.slots, device=self.device)
-            row = torch.arange(longest, device=self.device)
-            starts_t = torch.tensor(starts, device=self.device)[:, None]
-            sizes_t = torch.tensor(sizes, device=self.device)[:, None]
-            segment = torch.repeat_interleave(torch.arange(count), torch.tensor(self.sizes))
-            flat = torch.arange(int(segment.numel()))
-            row_index = flat - torch.tensor(self.offsets)[segment]
-            batch_index = torch.tensor(batch_of)[segment]
-            columns = torch.arange(context, device=self.device)
-            mask = columns[None, None, :] <= (starts_t + row)[:, :, None]
-            mask = mask | ((row[None, :] >= sizes_t)[:, :, None] & (columns == 0))
-            self._padded = (cache_rows, longest, context, mask[:, None], batch_index.to(self.device),
-                            row_index.to(self.device))
-        cache_rows, longest, context, mask, batch_index, row_index = self._padded
-        padded = q.new_zeros(len(self.slots), longest, q.shape[1], q.shape[2])
-        padded[batch_index, row_index] = q
-        out = F.scaled_dot_product_attention(
-            padded.transpose(1, 2), keys[cache_rows, :, :context], values[cache_rows, :, :context],
-            attn_mask=mask, enable_gqa=gqa,
-        )
-        return out.transpose(1, 2)[batch_index, row_index]
+            self._padded = batch_layout(self.slots, self.starts, self.sizes, self.device)
+        return padded_attention(q, keys, values, self._padded, gqa)

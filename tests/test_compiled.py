@@ -76,26 +76,56 @@ def test_every_slot_shares_the_compiled_graphs(llama):
 
 
 def test_warm_up_compiles_every_graph_before_the_first_request():
-    """A compiled server warms up before it listens: afterwards no slot, length or step size compiles again, and
-    the slots come back free in the order `allocate` hands them out."""
+    """A compiled server warms up before it listens: afterwards no slot, length, step size or round of several
+    requests compiles again, and the slots come back free in the order `allocate` hands them out."""
     model = tiny_model("llama", seed=4)  # its own compilation: nothing compiled yet
-    eager = RaggedBackend(model, (0, 1), max_slots=3)
-    compiled = RaggedBackend(model, (0, 1), max_slots=3, compile=True)
+    eager = RaggedBackend(model, (0, 1), max_slots=4)
+    compiled = RaggedBackend(model, (0, 1), max_slots=4, compile=True)
     before = counters["stats"]["unique_graphs"]
-    assert compiled.warm_up() == 4  # a one-token and a verify step, on slot 0 and on slot 1
+    assert compiled.warm_up() == 8  # one request on slot 0, on slot 1; two from slot 0, from slot 1; 1 and 2 tokens
     warmed = counters["stats"]["unique_graphs"]
-    assert warmed > before and compiled.free == [2, 1, 0] and compiled.cache.lengths == [0, 0, 0]
-    prompt = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(2))
+    assert warmed > before and compiled.free == [3, 2, 1, 0] and compiled.cache.lengths == [0] * 4
+    prompt = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(2))
     for backend in (eager, compiled):
-        assert [backend.allocate() for _ in range(3)] == [0, 1, 2]
-        for slot in range(3):
+        assert [backend.allocate() for _ in range(4)] == [0, 1, 2, 3]
+        for slot in range(4):
             backend.forward([Segment(slot, prompt[: 20 + 5 * slot], "none")])
-    for slot in (2, 0, 1):
-        for block in (torch.tensor([5]), torch.tensor([6, 7, 8, 9]), torch.tensor([4])):
-            want = eager.forward([Segment(slot, block, "all")])[0].logits
-            got = compiled.forward([Segment(slot, block, "all")])[0].logits
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert counters["stats"]["unique_graphs"] == warmed and compiled.compiled.failed is None
+    rounds = [{2: 1}, {0: 4}, {1: 1}, {0: 1, 1: 1, 2: 1, 3: 1}, {1: 3, 3: 1}, {0: 2, 2: 5}, {2: 1, 3: 1}, {0: 1, 3: 8}]
+    for sizes in rounds:
+        segments = [Segment(slot, torch.randint(3, VOCAB, (size,)), "all") for slot, size in sizes.items()]
+        want = torch.cat([out.logits for out in eager.forward(segments)])
+        got = torch.cat([out.logits for out in compiled.forward(segments)])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == warmed
+    assert compiled.compiled.failed is None and compiled.compiled_batch.failed is None
+
+
+def test_compiled_rounds_of_several_requests_compute_what_the_eager_forward_does(llama):
+    """Rounds of several requests (any slots, contiguous or not, of different lengths and sizes, the cache growing
+    past its capacity) give the eager forward's logits, features and cache; a prefill chunk still runs eager."""
+    layer_ids = (-1, 0, 1)
+    eager = RaggedBackend(llama, layer_ids, max_slots=4)
+    compiled = RaggedBackend(llama, layer_ids, max_slots=4, compile=True)
+    generator = torch.Generator().manual_seed(5)
+    for backend in (eager, compiled):
+        assert [backend.allocate() for _ in range(4)] == [0, 1, 2, 3]
+    for slot, length in enumerate((30, 250, 3, 60)):
+        prompt = torch.randint(3, VOCAB, (length,), generator=generator)
+        for backend in (eager, compiled):
+            backend.forward([Segment(slot, prompt, "none")])
+    rounds = [{0: 1, 1: 1}, {1: 8, 3: 1}, {0: 3, 2: 3, 3: 2}, {1: 4, 2: 1}, {0: 2, 1: 20, 3: 1}, {1: 1, 3: 1}]
+    for sizes in rounds:
+        segments = [Segment(slot, torch.randint(3, VOCAB, (size,), generator=generator), "last" if size > 16 else "all")
+                    for slot, size in sizes.items()]
+        want, got = eager.forward(segments), compiled.forward(segments)
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g.logits, w.logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(g.hidden, w.hidden, atol=1e-4, rtol=1e-4)
+    assert eager.cache.lengths == compiled.cache.lengths and compiled.cache.capacity > 256
+    for slot, length in enumerate(eager.cache.lengths):
+        for ours, theirs in ((compiled.cache.keys, eager.cache.keys), (compiled.cache.values, eager.cache.values)):
+            torch.testing.assert_close(ours[1][slot, :, :length], theirs[1][slot, :, :length], atol=1e-4, rtol=1e-4)
+    assert compiled.compiled_batch.failed is None
 
 
 def test_warm_up_refuses_a_busy_backend_and_is_free_without_a_compiled_forward(llama):
