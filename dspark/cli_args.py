@@ -23,5 +23,5 @@ def add_draft_gate_arg(parser: argparse.ArgumentParser) -> None:
 def add_compile_arg(parser: argparse.ArgumentParser) -> None:
     """`--compile` for the commands that decode with the engine."""
     parser.add_argument("--compile", action="store_true",
-                        help="run the target's one-request decode and verify steps torch.compile'd (Llama-family "
-                             "targets; about a minute of compiling once per process, then faster steps on a CPU)")
+                        help="run the target's decode and verify steps torch.compile'd (Llama-family targets; about a "
+                             "minute of compiling per graph once per process, then faster steps on a CPU)")

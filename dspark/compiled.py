@@ -1,4 +1,4 @@
-"""The one-request decode / verify forward compiled whole by `torch.compile` (opt-in: `--compile`).
+"""The decode / verify forward compiled whole by `torch.compile` (opt-in: `--compile`).
 
 At batch 1 an eager forward of SmolLM2-135M dispatches ~1,000 small ops around its 121 matmuls; on a 2-core CPU
 they cost a third of a step (docs/runtime.md, session 23). Inductor fuses them into a few C++ loops, and two
@@ -11,8 +11,10 @@ plain and their matmuls get slower).
 writing the backend's own slot cache, so eager and compiled forwards can alternate on one slot (prefill chunks
 run eager, decode and verify steps compiled). Compiled with dynamic shapes: one graph for one new token and one for
 more (dynamic shapes specialise size 1), none per context length, and one such pair for slot 0 and one shared by
-every other slot (inductor's in-place pass guards `slot == 0`). Weights are frozen at the first call: for
-inference only; a model whose weights are written afterwards needs a new backend.
+every other slot (inductor's in-place pass guards `slot == 0`). `CompiledBatch` is the same forward for a round of
+several requests (padded attention over a range of slots): one graph for decode-only rounds, one for the rest.
+Weights are frozen at the first call: for inference only; a model whose weights are written afterwards needs a new
+backend.
 
 Not bit-identical to the eager forward (fused kernels round bf16 differently), so speculative decoding is exact
 against vanilla decoding *with the same compiled forward*, as the eager bf16 forward is (see docs/runtime.md,

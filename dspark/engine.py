@@ -54,7 +54,7 @@ class TargetBackend(Protocol):
 def make_backend(model: Any, layer_ids: tuple[int, ...] = (), max_slots: int = 1,
                  attention: str = "loop", compile: bool = False) -> TargetBackend:
     """The ragged batched forward for Llama-family models, else HF's forward one request at a time. `compile`:
-    one-request decode and verify steps run `torch.compile`d (`dspark.compiled`; the ragged forward only)."""
+    decode and verify steps run `torch.compile`d (`dspark.compiled`; the ragged forward only)."""
     if supports_ragged(model):
         return RaggedBackend(model, layer_ids, max_slots=max_slots, attention=attention, compile=compile)
     return SerialBackend.for_model(model, layer_ids, max_slots=max_slots)

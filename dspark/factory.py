@@ -60,8 +60,9 @@ def build_engine(
     policies by name, everything else lets such a drafter verify every draft. `draft_gate`: skip drafting in
     rounds where plain decoding measured faster (`dspark.gate`); None: on for the dspark schedulers (they decide
     per round anyway), off for fixed, threshold and none, whose rounds draw what their name says. Pass one
-    `DraftGate` to several engines to share what it measured. `compile`: the target's one-request decode and
-    verify forwards compiled (`dspark.compiled`: ~1 min once per process and model, then faster steps on a CPU).
+    `DraftGate` to several engines to share what it measured. `compile`: the target's decode and verify
+    forwards compiled, one request's and rounds of several (`dspark.compiled`: ~1 min a graph once per process
+    and model, then faster steps on a CPU).
     """
     block_size = resolve_block_size(block_size, drafter_limit=drafter.max_block_size, scheduler=scheduler)
     chosen = scheduler if as_named else scheduler_for(scheduler, drafter, block_size)

@@ -141,8 +141,10 @@ class RaggedBackend:
         self.packed_weights = isinstance(self.layers[0].qkv, PackedLinear) if self.layers else False
         self.attention_dtype = attention_dtype or default_attention_dtype(dtype, self.device)
         self.max_slots = max_slots
-        self.cache = SlotCache(self.num_layers, max_slots, self.num_kv_heads, self.head_dim, self.attention_dtype,
-                               self.device)
+        # compiled: at least two slot rows, since a dimension of size 1 is a guard (dynamo specialises 0 and 1), and
+        # a one-slot engine (generate) beside a server's would compile every graph twice; the extra row is never used
+        self.cache = SlotCache(self.num_layers, max(max_slots, 2) if compile else max_slots, self.num_kv_heads,
+                               self.head_dim, self.attention_dtype, self.device)
         self.free = list(range(max_slots))[::-1]
         # the shared compiled forwards (`dspark.compiled`), where they run this model: one request's, a round's
         self.compiled = self.compiled_batch = None

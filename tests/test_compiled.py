@@ -96,6 +96,13 @@ def test_warm_up_compiles_every_graph_before_the_first_request():
         want = torch.cat([out.logits for out in eager.forward(segments)])
         got = torch.cat([out.logits for out in compiled.forward(segments)])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    single = RaggedBackend(model, (0, 1), max_slots=1, compile=True)  # a one-slot engine (generate) beside a server's
+    reference = RaggedBackend(model, (0, 1), max_slots=1)
+    for backend in (single, reference):
+        backend.forward([Segment(backend.allocate(), prompt, "none")])
+    for block in (torch.tensor([5]), torch.tensor([6, 7, 8])):
+        want = reference.forward([Segment(0, block, "all")])[0].logits
+        torch.testing.assert_close(single.forward([Segment(0, block, "all")])[0].logits, want, atol=1e-4, rtol=1e-4)
     assert counters["stats"]["unique_graphs"] == warmed
     assert compiled.compiled.failed is None and compiled.compiled_batch.failed is None
 
