@@ -7,14 +7,13 @@ gain back) and `freezing` with the weights as module *parameters* (inductor then
 reorders them once for oneDNN itself, as `dspark.packed` does eagerly; weights captured any other way stay
 plain and their matmuls get slower).
 
-`CompiledDecode` is the ragged forward's arithmetic for one request (`dspark.ragged.RaggedBackend`), reading and
-writing the backend's own slot cache, so eager and compiled forwards can alternate on one slot (prefill chunks
-run eager, decode and verify steps compiled). Compiled with dynamic shapes: one graph for one new token and one for
-more (dynamic shapes specialise size 1), none per context length, and one such pair for slot 0 and one shared by
-every other slot (inductor's in-place pass guards `slot == 0`). `CompiledBatch` is the same forward for a round of
-several requests (padded attention over a range of slots): one graph for decode-only rounds, one for the rest.
-Weights are frozen at the first call: for inference only; a model whose weights are written afterwards needs a new
-backend.
+`CompiledDecode` is the ragged forward's arithmetic for a round of decode and verify segments, one request's or
+several (`dspark.ragged.RaggedBackend`), reading and writing the backend's own slot cache, so eager and compiled
+forwards can alternate on one slot (prefill chunks run eager). Attention is padded (`padded_attention`: one SDPA over
+the round's slot range read as a view) and the cache is written through tensor indices, so no slot, context length
+or step size is a guard: four graphs, since dynamic shapes specialise size 1 (one token or more per request, one
+request or more). Weights are frozen at the first call: for inference only; a model whose weights are written
+afterwards needs a new backend.
 
 Not bit-identical to the eager forward (fused kernels round bf16 differently), so speculative decoding is exact
 against vanilla decoding *with the same compiled forward*, as the eager bf16 forward is (see docs/runtime.md,
@@ -62,24 +61,16 @@ class CompiledDecode(nn.Module):
             layer.input_norm, layer.post_norm = fused.input_norm, fused.post_norm
             self.layers.append(layer)
 
-    def forward(self, tokens: torch.Tensor, start: int, slot: int, keys: list[torch.Tensor],
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: BatchLayout, keys: list[torch.Tensor],
                 values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (n, V) of every new token and the hidden states of `layer_ids` (n, D·len) or None; writes
-        the new keys and values at [start, start + n) of `slot`."""
-        n = tokens.shape[0]
-        positions = torch.arange(start, start + n, device=tokens.device)
-        mask = torch.arange(start + n, device=tokens.device)[None, :] <= positions[:, None]
-        # the slot's cache rows as a slice, never `[slot]`: an integer index is a guard on its value (a graph per
-        # slot), a slice bound is not
-        rows = slice(slot, slot + 1)
-
+        """Logits (N, V) and hidden states of `layer_ids` (N, D·len) or None of every new token of a round, flat;
+        writes each token's keys and values at its (slot, position)."""
         def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            keys[index][rows, :, start : start + n] = k.transpose(0, 1)[None]
-            values[index][rows, :, start : start + n] = v.transpose(0, 1)[None]
-            return F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys[index][rows, :, : start + n], values[index][rows, :, : start + n],
-                attn_mask=mask, enable_gqa=self.gqa,
-            )[0].transpose(0, 1)
+            # tensor indices for the write: a slice `[slot]` or `slot : slot + 1` made inductor's in-place pass
+            # guard `slot == 0`, a graph pair for slot 0 beside the pair every other slot shared
+            keys[index][layout.slot_index, :, positions] = k
+            values[index][layout.slot_index, :, positions] = v
+            return padded_attention(q, keys[index], values[index], layout, self.gqa)
 
         return self.run_layers(tokens, positions, attend)
 
@@ -114,23 +105,6 @@ class CompiledDecode(nn.Module):
         return F.linear(rms_norm(x, self.norm), self.head_weight).float(), hidden
 
 
-class CompiledBatch(CompiledDecode):
-    """The same forward for a round of several requests (each segment ≤ MAX_COMPILED_TOKENS), attention padded:
-    one SDPA over the cache rows of a range of slots read as a view (`BatchLayout`), as the eager forward's
-    `padded` attention does, so that no shape is a per-request Python loop and the graph serves any round."""
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: BatchLayout, keys: list[torch.Tensor],
-                values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (N, V) and hidden states (N, D·len) of every new token of the round, flat; writes each token's
-        keys and values at its (slot, position)."""
-        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            keys[index][layout.slot_index, :, positions] = k
-            values[index][layout.slot_index, :, positions] = v
-            return padded_attention(q, keys[index], values[index], layout, self.gqa)
-
-        return self.run_layers(tokens, positions, attend)
-
-
 def compilable(backend) -> bool:
     """Whether `CompiledDecode` computes this backend's forward: dense (not int4) Llama-style layers without
     q/k norms (Qwen3's run eager), no sliding window."""
@@ -140,16 +114,15 @@ def compilable(backend) -> bool:
             and isinstance(getattr(backend.model.get_output_embeddings(), "weight", None), torch.Tensor))
 
 
-def compiled_decode(backend, batched: bool = False) -> "CompiledRunner | None":
-    """The compiled forward for `backend`'s model and layer ids, one request's (`CompiledDecode`) or a round's of
-    several (`batched`, `CompiledBatch`), made once per (model, layer ids): every backend on the model (one
-    engine per prompt in a benchmark) shares one compilation. None, said once per model, where `compilable` says no."""
+def compiled_decode(backend) -> "CompiledRunner | None":
+    """The compiled forward for `backend`'s model and layer ids, made once per (model, layer ids): every
+    backend on the model (one engine per prompt in a benchmark) shares one compilation. None, said once per
+    model, where `compilable` says no."""
     cache = backend.model.__dict__.setdefault("_dspark_compiled", {})
-    key = (backend.layer_ids, backend.attention_dtype, batched)
+    key = (backend.layer_ids, backend.attention_dtype)
     if key not in cache:
-        kind = CompiledBatch if batched else CompiledDecode
-        cache[key] = CompiledRunner(kind(backend, backend.layer_ids).eval()) if compilable(backend) else None
-        if cache[key] is None and not batched:
+        cache[key] = CompiledRunner(CompiledDecode(backend, backend.layer_ids).eval()) if compilable(backend) else None
+        if cache[key] is None:
             log(f"--compile: {backend.config.model_type} layers of this form run eager (q/k norms, int4 or a window)")
     return cache[key]
 

@@ -146,13 +146,11 @@ class RaggedBackend:
         self.cache = SlotCache(self.num_layers, max(max_slots, 2) if compile else max_slots, self.num_kv_heads,
                                self.head_dim, self.attention_dtype, self.device)
         self.free = list(range(max_slots))[::-1]
-        # the shared compiled forwards (`dspark.compiled`), where they run this model: one request's, a round's
-        self.compiled = self.compiled_batch = None
+        self.compiled = None  # the shared compiled forward (`dspark.compiled`), where it runs this model
         if compile:
             from dspark.compiled import compiled_decode
 
             self.compiled = compiled_decode(self)
-            self.compiled_batch = compiled_decode(self, batched=True) if max_slots > 1 else None
 
     @property
     def device(self) -> torch.device:
@@ -181,12 +179,12 @@ class RaggedBackend:
 
     @torch.inference_mode()
     def warm_up(self) -> int:
-        """Compile every graph the compiled forwards will run before any request needs them, so a server compiles
-        before it listens rather than inside its first requests' deadlines: one request's one-token and verify
-        steps on slot 0 and on slot 1 (`dspark.compiled` has a pair for slot 0 and one shared by the rest), then
-        rounds of two requests of one and of two tokens each, from slot 0 and from slot 1. Needs an idle backend:
-        it borrows slots 0-2 and leaves the free list as it found it. Returns how many steps ran compiled (0
-        without a compiled forward)."""
+        """Compile every graph the compiled forward will run before any request needs them, so a server compiles
+        before it listens rather than inside its first requests' deadlines: steps of one and of two tokens for
+        one request and for rounds of two (a dimension of size 1 is a guard: four graphs), on slot 0 and from
+        slot 1 (no graph should depend on the slots; cheap if none does). Needs an idle backend: it borrows slots
+        0-2 and leaves the free list as it found it. Returns how many steps ran compiled (0 without a compiled
+        forward)."""
         if self.compiled is None:
             return 0
         if len(self.free) != self.max_slots:
@@ -194,20 +192,17 @@ class RaggedBackend:
         free, slots = list(self.free), list(range(min(3, self.max_slots)))
         self.free = [slot for slot in free if slot not in slots]
         context = self.compiled.max_tokens + 1  # a prefill longer than a compiled step: it runs eager
-        rounds = [[slot] for slot in slots[:2]]
-        if self.compiled_batch is not None:
-            rounds += [slots[first : first + 2] for first in range(len(slots) - 1)]
+        rounds = [group for group in (slots[:1], slots[1:2], slots[:2], slots[1:3]) if group]
         steps = 0
         try:
             for slot in slots:
                 self.forward([Segment(slot, torch.zeros(context, dtype=torch.long), "none")])
             for group in rounds:
-                runner = self.compiled if len(group) == 1 else self.compiled_batch
-                for size in (1, 2):  # dynamic shapes specialise size 1: one graph for it, one for the rest
+                for size in (1, 2):
                     self.forward([Segment(slot, torch.zeros(size, dtype=torch.long), "all") for slot in group])
                     for slot in group:
                         self.rollback(slot, context)
-                    steps += runner.failed is None
+                    steps += self.compiled.failed is None
         finally:
             for slot in slots:
                 self.cache.lengths[slot] = 0
@@ -233,7 +228,7 @@ class RaggedBackend:
         ends = [a + n for a, n in zip(starts, sizes, strict=True)]
         if self.window and max(ends) > self.window:
             raise DsparkError(f"context of {max(ends)} tokens exceeds the sliding window {self.window}")
-        runner = self.compiled if len(segments) == 1 else self.compiled_batch
+        runner = self.compiled
         compiled = runner is not None and max(sizes) <= runner.max_tokens  # decode and verify steps; prefill eager
         # compiled: room past the end, since a cache read that ends at the capacity is contiguous, one that ends
         # before it is not, and the graph would be compiled again for the other case
@@ -241,12 +236,9 @@ class RaggedBackend:
         device = self.device
         tokens = torch.cat([s.token_ids.to(device) for s in segments])
         if compiled:
-            if len(segments) == 1:
-                result = runner(tokens, starts[0], segments[0].slot, self.cache.keys, self.cache.values)
-            else:
-                positions = torch.cat([torch.arange(a, e) for a, e in zip(starts, ends, strict=True)]).to(device)
-                layout = batch_layout([s.slot for s in segments], starts, sizes, device)
-                result = runner(tokens, positions, layout, self.cache.keys, self.cache.values)
+            positions = torch.cat([torch.arange(a, e) for a, e in zip(starts, ends, strict=True)]).to(device)
+            layout = batch_layout([s.slot for s in segments], starts, sizes, device)
+            result = runner(tokens, positions, layout, self.cache.keys, self.cache.values)
             if result is not None:  # else compiling failed (said once): the eager forward below
                 for segment, end in zip(segments, ends, strict=True):
                     self.cache.lengths[segment.slot] = end
