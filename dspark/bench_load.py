@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from dspark.drafters import load_drafter
-from dspark.engine import Request
+from dspark.engine import Request, make_backend
 from dspark.errors import DsparkError
 from dspark.eval.datasets import load_prompts
 from dspark.factory import build_engine, resolve_gate, step_rates
@@ -113,9 +113,7 @@ def run_load_bench(args: argparse.Namespace) -> dict:
             gate.trace = []
     run_level(loaded, drafter, prompts[:1], policies[0], 1, 4, block_size, sps)  # warm-up
     if compile:  # every graph compiled before the first timed pass (engines share them through the model)
-        backend = build_engine(loaded, drafter, scheduler="none", block_size=block_size,
-                               max_concurrency=args.max_concurrency, sps=sps, as_named=True, draft_gate=False,
-                               compile=True).backend
+        backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=args.max_concurrency, compile=True)
         getattr(backend, "warm_up", lambda: 0)()
     for index, level in enumerate(levels):
         passes: dict[str, list[dict]] = {p: [] for p in policies}

@@ -20,7 +20,7 @@ against vanilla decoding *with the same compiled forward*, as the eager bf16 for
 "Exactness per dtype").
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch._inductor.config as inductor_config
@@ -65,19 +65,6 @@ class CompiledDecode(nn.Module):
                 values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (N, V) and hidden states of `layer_ids` (N, D·len) or None of every new token of a round, flat;
         writes each token's keys and values at its (slot, position)."""
-        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # tensor indices for the write: a slice `[slot]` or `slot : slot + 1` made inductor's in-place pass
-            # guard `slot == 0`, a graph pair for slot 0 beside the pair every other slot shared
-            keys[index][layout.slot_index, :, positions] = k
-            values[index][layout.slot_index, :, positions] = v
-            return padded_attention(q, keys[index], values[index], layout, self.gqa)
-
-        return self.run_layers(tokens, positions, attend)
-
-    def run_layers(self, tokens: torch.Tensor, positions: torch.Tensor,
-                   attend: Callable) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward around its attention: `attend(layer index, q, k, v)` ((n, heads, hd) each, in the cache's
-        dtype) writes the cache and returns the attention output (n, heads, hd)."""
         n = tokens.shape[0]
         heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed(tokens)
@@ -89,8 +76,12 @@ class CompiledDecode(nn.Module):
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             v = qkv[:, (heads + kv_heads) * hd :].view(n, kv_heads, hd)
             qk = rotate(qkv[:, : (heads + kv_heads) * hd].view(n, heads + kv_heads, hd), cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-            out = attend(index, *(t.to(self.attention_dtype) for t in (q, k, v)))
+            q, k, v = (t.to(self.attention_dtype) for t in (qk[:, :heads], qk[:, heads:], v))
+            # tensor indices for the write: a slice `[slot]` or `slot : slot + 1` made inductor's in-place pass
+            # guard `slot == 0`, a graph pair for slot 0 beside the pair every other slot shared
+            keys[index][layout.slot_index, :, positions] = k
+            values[index][layout.slot_index, :, positions] = v
+            out = padded_attention(q, keys[index], values[index], layout, self.gqa)
             x = x + F.linear(out.reshape(n, -1).to(x.dtype), layer.o_proj)
             h = rms_norm(x, layer.post_norm)
             gate, up = F.linear(h, layer.gate_up).chunk(2, -1)

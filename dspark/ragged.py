@@ -228,8 +228,7 @@ class RaggedBackend:
         ends = [a + n for a, n in zip(starts, sizes, strict=True)]
         if self.window and max(ends) > self.window:
             raise DsparkError(f"context of {max(ends)} tokens exceeds the sliding window {self.window}")
-        runner = self.compiled
-        compiled = runner is not None and max(sizes) <= runner.max_tokens  # decode and verify steps; prefill eager
+        compiled = self.compiled is not None and max(sizes) <= self.compiled.max_tokens  # decode, verify; not prefill
         # compiled: room past the end, since a cache read that ends at the capacity is contiguous, one that ends
         # before it is not, and the graph would be compiled again for the other case
         self.cache.reserve(max(ends) + compiled)
@@ -238,14 +237,14 @@ class RaggedBackend:
         if compiled:
             positions = torch.cat([torch.arange(a, e) for a, e in zip(starts, ends, strict=True)]).to(device)
             layout = batch_layout([s.slot for s in segments], starts, sizes, device)
-            result = runner(tokens, positions, layout, self.cache.keys, self.cache.values)
+            result = self.compiled(tokens, positions, layout, self.cache.keys, self.cache.values)
             if result is not None:  # else compiling failed (said once): the eager forward below
                 for segment, end in zip(segments, ends, strict=True):
                     self.cache.lengths[segment.slot] = end
                 logits, hidden = result
                 offsets = [0, *itertools.accumulate(sizes)]
                 return [_one_output(segment, logits[a:b], None if hidden is None else hidden[a:b])
-                        for segment, a, b in zip(segments, offsets, offsets[1:], strict=False)]
+                        for segment, a, b in zip(segments, offsets[:-1], offsets[1:], strict=True)]
         positions = torch.cat([torch.arange(a, e, device=device) for a, e in zip(starts, ends, strict=True)])
 
         inner = self.model.model
