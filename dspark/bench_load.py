@@ -89,7 +89,9 @@ def _median_pass(rows: list[dict]) -> dict:
 
 def run_load_bench(args: argparse.Namespace) -> dict:
     loaded = load_target(args.target, args.dtype)
+    compile = getattr(args, "compile", False)
     drafter = load_drafter(args.drafter, loaded.model)
+    drafter = drafter.compiled() if compile else drafter  # its profiled cost is the compiled round's
     block_size = resolve_block_size(args.block_size, drafter_limit=drafter.max_block_size)
     texts = [text for dataset in args.dataset for text in load_prompts(dataset, args.num_requests)]
     prompts = [prompt_ids(loaded, text) for text in texts[: args.num_requests]]
@@ -97,7 +99,6 @@ def run_load_bench(args: argparse.Namespace) -> dict:
     levels = concurrency_levels(args.max_concurrency)
     names = [split_policy(p)[0] for p in policies]
     sps = None  # one profile, for the largest concurrency, shared by every level
-    compile = getattr(args, "compile", False)
     if any(name.startswith("dspark") for name in names):  # compiled: the compiled forward's rates, cached apart
         sps = step_rates(loaded, "dspark", block_size, args.max_concurrency, compile,
                          drafter.target_layer_ids if compile else ())
@@ -115,6 +116,7 @@ def run_load_bench(args: argparse.Namespace) -> dict:
     if compile:  # every graph compiled before the first timed pass (engines share them through the model)
         backend = make_backend(loaded.model, drafter.target_layer_ids, max_slots=args.max_concurrency, compile=True)
         getattr(backend, "warm_up", lambda: 0)()
+        drafter.warm_up()
     for index, level in enumerate(levels):
         passes: dict[str, list[dict]] = {p: [] for p in policies}
         for repeat in range(args.repeats):  # each pass in another rotated order; a slow spell hits one pass

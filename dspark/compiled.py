@@ -119,18 +119,20 @@ def compiled_decode(backend) -> "CompiledRunner | None":
 
 
 class CompiledRunner:
-    """Calls the compiled module; if compiling or running it fails once (no C++ compiler, an inductor bug), says
-    why on stderr and answers None from then on, so the backend runs its eager forward instead."""
+    """Calls the compiled module (the target's `CompiledDecode`, a drafter's block); if compiling or running it fails
+    once (no C++ compiler, an inductor bug), says why on stderr and answers None from then on, so the caller runs
+    its eager forward instead. `what` names the forward in that message."""
 
-    #: the most new tokens a call takes per request (more: the backend's eager forward)
+    #: the most new tokens a call of the target's forward takes per request (more: the backend's eager forward)
     max_tokens = MAX_COMPILED_TOKENS
 
-    def __init__(self, module: CompiledDecode) -> None:
+    def __init__(self, module: nn.Module, what: str = "compiled forward") -> None:
         self.module = module
+        self.what = what
         self.compiled = torch.compile(module, dynamic=True)
         self.failed: str | None = None
 
-    def __call__(self, tokens: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def __call__(self, tokens: torch.Tensor, *args) -> tuple | None:
         """The module's forward on (tokens, *args), or None once compiling or running it has failed."""
         if self.failed is not None:
             return None
@@ -145,7 +147,7 @@ class CompiledRunner:
                 return self.compiled(tokens, *args)
         except Exception as error:  # noqa: BLE001 - any compile failure falls back to the eager forward
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            log(f"compiled forward unavailable ({self.failed}); running eager")
+            log(f"{self.what} unavailable ({self.failed}); running eager")
             return None
 
 

@@ -62,8 +62,11 @@ def build_engine(
     per round anyway), off for fixed, threshold and none, whose rounds draw what their name says. Pass one
     `DraftGate` to several engines to share what it measured. `compile`: the target's decode and verify
     forwards compiled, one request's and rounds of several (`dspark.compiled`: ~1 min a graph once per process
-    and model, then faster steps on a CPU).
+    and model, then faster steps on a CPU), and the drafter's round where it has a compiled one (DSpark:
+    `dspark.drafters.compiled_block`).
     """
+    if compile:  # the drafter's round too, where it has a compiled one (`Drafter.compiled`)
+        drafter = drafter.compiled()
     block_size = resolve_block_size(block_size, drafter_limit=drafter.max_block_size, scheduler=scheduler)
     chosen = scheduler if as_named else scheduler_for(scheduler, drafter, block_size)
     if sps is None:

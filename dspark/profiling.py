@@ -141,7 +141,8 @@ def drafter_tag(drafter: Drafter) -> str:
     """What a drafter's cost depends on: its class and configuration (not its trained weights)."""
     config = getattr(drafter, "config", None)
     described = repr(config.to_dict() if hasattr(config, "to_dict") else config)
-    return f"{type(drafter).__name__}-{hashlib.sha1(described.encode()).hexdigest()[:12]}"
+    compiled = "-compiled" if drafter.drafts_compiled else ""
+    return f"{type(drafter).__name__}-{hashlib.sha1(described.encode()).hexdigest()[:12]}{compiled}"
 
 
 def draft_path(loaded: LoadedTarget, drafter: Drafter, block_size: int, context_tokens: int) -> Path:

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dspark.api import generate
+from dspark.drafters.dspark_drafter import DSparkDrafter
 from dspark.ragged import RaggedBackend
 from dspark.server.app import build_server
 
@@ -67,10 +68,13 @@ def test_a_compiled_server_compiles_before_it_listens(tiny_paths, monkeypatch, c
     """With --compile the graphs are compiled while the server is built, not inside its first requests."""
     warmed = []
     monkeypatch.setattr(RaggedBackend, "warm_up", lambda backend: warmed.append(backend.compiled is not None) or 4)
+    drafted = []  # the drafter's compiled round too (a DSpark drafter: two graphs)
+    monkeypatch.setattr(DSparkDrafter, "warm_up", lambda drafter: drafted.append(drafter.drafts_compiled) or 2)
     build_server(*tiny_paths, scheduler="fixed", max_concurrency=2)
-    assert warmed == []
+    assert warmed == [] and drafted == []
     build_server(*tiny_paths, scheduler="fixed", max_concurrency=2, compile=True)
-    assert warmed == [True] and "4 compiled steps ready" in capsys.readouterr().err
+    assert warmed == [True] and drafted == [True]
+    assert "4 compiled steps and 2 compiled draft rounds ready" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -92,6 +92,20 @@ class Drafter(ABC):
     def commit(self, state: Any, committed_hidden: torch.Tensor | None) -> None:
         """Target features (n, D) of the positions that just entered the target cache."""
 
+    def compiled(self) -> "Drafter":
+        """This drafter drafting through `torch.compile`d forwards where it has them (`--compile`): another drafter
+        on the same model, whose per-request states are this one's; itself where nothing compiles."""
+        return self
+
+    def warm_up(self) -> int:
+        """Compile what `compiled()` compiles before a request needs it; returns how many calls ran compiled."""
+        return 0
+
+    @property
+    def drafts_compiled(self) -> bool:
+        """Whether proposals run a compiled forward (`compiled()`): they cost another price."""
+        return False
+
     def drafts_for_free(self, state: Any, context: torch.Tensor) -> bool:
         """Whether the next proposal for this request runs no model (a context lookup): a scheduler that plans
         who drafts then lets such a request draft whatever it planned. Decided from committed tokens only."""

@@ -100,6 +100,14 @@ class DraftVocabMixin:
         weight, bias, packed = self._draft_lm_head(lm_head)
         return F.linear(hidden, weight, bias) if packed is None else packed(hidden)
 
+    def draft_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The dense weight (Vd, D) and bias of the draft LM head: the target head's rows of the draft ids, or the
+        head itself with the full vocabulary (for a forward that packs its own weights, `torch.compile`)."""
+        if not self.reduced_vocab:
+            return lm_head.weight, getattr(lm_head, "bias", None)
+        weight, bias, _ = self._draft_lm_head(lm_head)
+        return weight, bias
+
     def _draft_lm_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, PackedLinear | None]:
         """The target LM head's rows (and bias) of the draft ids, and their oneDNN-packed form on CPUs with
         native bf16 (`dspark.packed`: the same numbers, used only where no gradient is recorded). Cached:

@@ -127,7 +127,9 @@ class ContextCache:
 
 
 def _resized(buf: torch.Tensor, capacity: int, length: int) -> torch.Tensor:
-    new = buf.new_empty(buf.shape[0], buf.shape[1], capacity, buf.shape[3])
+    # zeros, not garbage, past the length: a compiled round attends over the whole buffer under a mask, and a
+    # masked NaN would still reach the output (its weight is 0, and 0 · NaN is NaN)
+    new = buf.new_zeros(buf.shape[0], buf.shape[1], capacity, buf.shape[3])
     new[:, :, :length] = buf[:, :, :length]
     return new
 
@@ -250,7 +252,7 @@ class DSparkModel(DraftVocabMixin, nn.Module):
         """H_ctx = RMSNorm(W_c [H(l1); ...; H(lm)])."""
         return self.hidden_norm(self.fc(features.to(self.dtype)))
 
-    def _block_input(self, anchor_tokens: torch.Tensor, last_context: torch.Tensor | None) -> torch.Tensor:
+    def block_input(self, anchor_tokens: torch.Tensor, last_context: torch.Tensor | None) -> torch.Tensor:
         """[embed(anchor), embed(mask) × (γ-1)] for anchor_tokens (...,) -> (..., γ, D), each slot plus
         W_a·last_context (..., D) with `last_context_input`."""
         config = self.config
@@ -261,14 +263,19 @@ class DSparkModel(DraftVocabMixin, nn.Module):
             x = x + self.last_context_proj(last_context.to(self.dtype))[..., None, :]
         return x
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
 
-    def _backbone(self, x, positions, context_kvs, mask) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self._rope(positions)
+    def block_hidden(self, x: torch.Tensor, positions: torch.Tensor, context_kvs: Sequence, mask) -> torch.Tensor:
+        """h_k (after `norm`) of block inputs x at `positions` through the draft layers, each attending to its
+        context K/V (or None) under `mask` (a `BlockLayout` in training, a boolean SDPA mask or None)."""
+        cos, sin = self.rope(positions)
         for layer, context_kv in zip(self.layers, context_kvs, strict=True):
             x = layer(x, context_kv, cos, sin, mask)
-        hidden = self.norm(x)
+        return self.norm(x)
+
+    def _backbone(self, x, positions, context_kvs, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.block_hidden(x, positions, context_kvs, mask)
         return hidden, self.lm_logits(hidden)
 
     def confidence_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor | None:
@@ -318,14 +325,14 @@ class DSparkModel(DraftVocabMixin, nn.Module):
         offsets = torch.arange(gamma, device=input_ids.device)
 
         context = self.project_context(context_features)
-        cos, sin = self._rope(torch.arange(length, device=input_ids.device).expand(batch, length))
+        cos, sin = self.rope(torch.arange(length, device=input_ids.device).expand(batch, length))
         context_kvs = [layer.self_attn.kv(context, cos, sin) for layer in self.layers]
 
         last_context = None
         if self.last_context_proj is not None:  # H_ctx[a-1]; zero for an anchor with no context
             before = (anchor_positions - 1).clamp_min(0)[..., None].expand(-1, -1, context.shape[-1])
             last_context = context.gather(1, before) * (anchor_positions > 0)[..., None]
-        x = self._block_input(input_ids.gather(1, anchor_positions), last_context).flatten(1, 2)
+        x = self.block_input(input_ids.gather(1, anchor_positions), last_context).flatten(1, 2)
         block_positions = (anchor_positions[..., None] + offsets).flatten(1, 2)
         mask = BlockLayout(anchor_positions, gamma)
         hidden, base_logits = self._backbone(x, block_positions, context_kvs, mask)
@@ -355,7 +362,7 @@ class DSparkModel(DraftVocabMixin, nn.Module):
         sizes = [int(f.shape[0]) for f in features]
         positions = torch.cat([cache.length + torch.arange(n) for cache, n in zip(caches, sizes, strict=True)])
         context = self.project_context(torch.cat(features).to(self.device)[None])
-        cos, sin = self._rope(positions.to(self.device)[None])
+        cos, sin = self.rope(positions.to(self.device)[None])
         kvs = [layer.self_attn.kv(context, cos, sin) for layer in self.layers]
         start = 0
         for cache, n in zip(caches, sizes, strict=True):
@@ -372,19 +379,19 @@ class DSparkModel(DraftVocabMixin, nn.Module):
         if self.last_context_proj is not None:
             zero = torch.zeros(self.config.hidden_size, device=self.device, dtype=self.dtype)
             last_context = torch.stack([zero if c.last_context is None else c.last_context for c in caches])
-        x = self._block_input(anchors.to(self.device), last_context)
+        x = self.block_input(anchors.to(self.device), last_context)
         lengths = torch.tensor([cache.length for cache in caches], device=self.device)
         positions = lengths[:, None] + torch.arange(gamma, device=self.device)
         if len(caches) == 1:
             context_kvs, mask = [caches[0].layer(i) for i in range(len(self.layers))], None
         else:
-            context_kvs = [_padded_layer(caches, i) for i in range(len(self.layers))]
+            context_kvs = [padded_context(caches, i) for i in range(len(self.layers))]
             sees_context = torch.arange(int(lengths.max()), device=self.device) < lengths[:, None]
             mask = torch.cat([sees_context, sees_context.new_ones(len(caches), gamma)], -1)[:, None, None]
         return self._backbone(x, positions, context_kvs, mask)
 
 
-def _padded_layer(caches: list[ContextCache], index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_context(caches: list[ContextCache], index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One draft layer's context K/V of several requests, zero-padded to the longest: (R, H, L, hd)."""
     longest = max(cache.length for cache in caches)
     first_k, first_v = caches[0].keys[index], caches[0].values[index]

@@ -13,12 +13,14 @@ distribution the token was drawn from, which it is; what truncation the draft us
 acceptance, never the output distribution.
 """
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from dspark.drafters.base import Draft, Drafter
+from dspark.drafters.compiled_block import block_context, compiled_block
 from dspark.drafters.dspark import ContextCache, DSparkModel
 from dspark.sampling import SamplingParams, probabilities, sample
 
@@ -49,6 +51,32 @@ class DSparkDrafter(Drafter):
         self.target_layer_ids = model.config.target_layer_ids
         self.vocab_size = model.config.vocab_size
         self.max_block_size = model.config.block_size
+        self.block = None  # the compiled round (`compiled`), shared by every drafter on this model
+
+    def compiled(self) -> "DSparkDrafter":
+        view = copy.copy(self)
+        view.block = compiled_block(self.model)
+        return view
+
+    @property
+    def drafts_compiled(self) -> bool:
+        return self.block is not None
+
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Compile both graphs of the compiled round (one request, several) on made-up contexts; returns how many
+        rounds ran compiled (0 where this drafter is not compiled)."""
+        if self.block is None:
+            return 0
+        features = torch.randn(40, self.config.feature_size, generator=torch.Generator().manual_seed(0))
+        states = [self.start(torch.zeros(n + 1, dtype=torch.long), features[:n]) for n in (20, 33)]
+        contexts = [torch.zeros(n + 1, dtype=torch.long) for n in (20, 33)]
+        ran = 0
+        for count in (1, 2):
+            self.propose_batch(states[:count], contexts[:count], [self.config.block_size] * count,
+                               [SamplingParams()] * count, [None] * count)
+            ran += self.block.failed is None
+        return ran
 
     def start(self, prompt_ids: torch.Tensor, prompt_hidden: torch.Tensor | None) -> DSparkState:
         state = DSparkState(ContextCache())
@@ -120,32 +148,59 @@ class DSparkDrafter(Drafter):
                     f"{contexts[i].shape[0] - 1}: commit the features of every position that entered the target cache"
                 )
         anchors = torch.stack([contexts[i][-1] for i in live]).to(model.device)
-        hidden, base_logits = model.draft_blocks([states[i].cache for i in live], anchors)  # full blocks, as trained
-
-        head = model.markov_head
-        head_state = None if head is None else head.initial_state(hidden[:, 0])
-        prev, tokens, q = anchors, [], [[] for _ in live]
-        for k in range(max(counts[i] for i in live)):
-            logits = base_logits[:, k]
-            if head is not None:
-                bias, head_state = head.step(head_state, prev, hidden[:, k])
-                logits = logits + bias
-            choice = logits.argmax(-1)  # draft ids
-            for row, i in enumerate(live):
-                if not samplings[i].greedy and k < counts[i]:  # greedy verification compares tokens only
-                    probs = probabilities(logits[row], samplings[i])
-                    choice[row] = sample(probs, generators[i])
-                    q[row].append(probs)
-            prev = model.to_target_ids(choice)
-            tokens.append(prev)
-        tokens = torch.stack(tokens, 1)  # (R, max n)
-
-        prev_tokens = torch.cat([anchors[:, None], tokens[:, :-1]], 1)
-        confidence_logits = model.confidence_logits(hidden[:, : tokens.shape[1]], prev_tokens)
+        caches = [states[i].cache for i in live]
+        longest = max(counts[i] for i in live)
+        compiled = self._compiled_round(caches, anchors)
+        if compiled is not None and all(samplings[i].greedy for i in live):  # the graph's own argmax chain
+            _, _, tokens, confidence_logits = compiled
+            tokens, q = tokens[:, :longest], [[] for _ in live]
+        else:
+            hidden, base_logits = compiled[:2] if compiled is not None else model.draft_blocks(caches, anchors)
+            tokens, q = self._sequential(hidden, base_logits, anchors, [counts[i] for i in live],
+                                         [samplings[i] for i in live], [generators[i] for i in live])
+            prev_tokens = torch.cat([anchors[:, None], tokens[:, :-1]], 1)
+            confidence_logits = model.confidence_logits(hidden[:, :longest], prev_tokens)
         confidence = None if confidence_logits is None else model.confidence(
-            confidence_logits, [samplings[i].temperature for i in live])  # 0 = greedy
+            confidence_logits[:, :longest], [samplings[i].temperature for i in live])  # 0 = greedy
         for row, i in enumerate(live):
             n = counts[i]
             drafts[i] = Draft(tokens[row, :n], model.scatter_to_target(torch.stack(q[row])) if q[row] else None,
                               None if confidence is None else confidence[row, :n])
         return drafts
+
+    def _compiled_round(self, caches: list[ContextCache], anchors: torch.Tensor) -> tuple | None:
+        """The compiled block's (hidden, base logits, greedy draft, its confidence logits), or None: not compiled,
+        a request with no context yet, or the compile failed (said once; the eager forward then drafts)."""
+        if self.block is None or not all(cache.length for cache in caches):
+            return None
+        model = self.model
+        keys, values, mask = block_context(caches, len(model.layers), self.config.block_size)
+        lengths = torch.tensor([cache.length for cache in caches], device=model.device)
+        positions = lengths[:, None] + torch.arange(self.config.block_size, device=model.device)
+        last_context = None
+        if model.last_context_proj is not None:
+            last_context = torch.stack([cache.last_context for cache in caches])
+        return self.block(anchors, last_context, positions, keys, values, mask)
+
+    def _sequential(self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.Tensor, counts: list[int],
+                    samplings: list[SamplingParams], generators: list) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """The sequential head step by step over rows of blocks: tokens (R, longest count) in target ids, and per
+        row the distributions its sampled tokens were drawn from (none for a greedy row)."""
+        model = self.model
+        head = model.markov_head
+        head_state = None if head is None else head.initial_state(hidden[:, 0])
+        prev, tokens, q = anchors, [], [[] for _ in counts]
+        for k in range(max(counts)):
+            logits = base_logits[:, k]
+            if head is not None:
+                bias, head_state = head.step(head_state, prev, hidden[:, k])
+                logits = logits + bias
+            choice = logits.argmax(-1)  # draft ids
+            for row, sampling in enumerate(samplings):
+                if not sampling.greedy and k < counts[row]:  # greedy verification compares tokens only
+                    probs = probabilities(logits[row], sampling)
+                    choice[row] = sample(probs, generators[row])
+                    q[row].append(probs)
+            prev = model.to_target_ids(choice)
+            tokens.append(prev)
+        return torch.stack(tokens, 1), q

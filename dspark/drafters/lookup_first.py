@@ -67,6 +67,17 @@ class LookupFirstDrafter(Drafter):
         self.max_block_size = model.max_block_size
         self.config = getattr(model, "config", None)  # the confidence scheduler reads the model's
 
+    def compiled(self) -> "LookupFirstDrafter":
+        inner = self.model.compiled()
+        return self if inner is self.model else LookupFirstDrafter(inner, self.min_ngram, self.max_ngram)
+
+    def warm_up(self) -> int:
+        return self.model.warm_up()
+
+    @property
+    def drafts_compiled(self) -> bool:
+        return self.model.drafts_compiled
+
     def start(self, prompt_ids: torch.Tensor, prompt_hidden: torch.Tensor | None) -> LookupFirstState:
         return LookupFirstState(self.model.start(prompt_ids, prompt_hidden))
 

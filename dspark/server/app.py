@@ -384,14 +384,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def warm_up(engine: Engine) -> None:
-    """Compile the target's compiled forward before listening (minutes on a CPU), not in the first requests."""
+    """Compile the target's compiled forward and the drafter's round before listening (minutes on a CPU), not in the
+    first requests."""
     backend_warm_up = getattr(engine.backend, "warm_up", None)
     if backend_warm_up is None:
         return
     say("--compile: compiling the decode and verify forwards before listening (about a minute per graph)")
     began = time.monotonic()
     steps = backend_warm_up()
-    say(f"--compile: {steps} compiled steps ready in {time.monotonic() - began:.0f} s")
+    rounds = engine.drafter.warm_up()
+    say(f"--compile: {steps} compiled steps and {rounds} compiled draft rounds ready in "
+        f"{time.monotonic() - began:.0f} s")
 
 
 def build_server(target: TargetSpec = "default", drafter: str = DEFAULT_DRAFTER, *,

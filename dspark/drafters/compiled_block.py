@@ -1,0 +1,82 @@
+"""The DSpark drafter's round compiled whole by `torch.compile` (`--compile`, beside the target's `dspark.compiled`).
+
+A drafting round's block forward (the draft layers over the projected context and the γ block slots, the draft LM
+head) and, for greedy requests, the sequential head's argmax chain and the confidence logits are a few hundred
+small ops. Once the target's verification is compiled, their eager dispatch is a sixth of a round at one request on
+a 2-core CPU; compiled with the target's settings (`cpp_wrapper`, weights as frozen module parameters that inductor
+packs for oneDNN itself) the round drafts in about two thirds of the time (docs/runtime.md, session 27).
+
+Every shape is a dimension, never a value: the context K/V go in as the caches' whole buffers (one request) or
+padded to the longest (several) with a boolean mask, so a context's length and a cache's capacity are no guards.
+Two graphs: one request or more (dynamic shapes specialise size 1). The graph computes every block position; a
+request drafting fewer keeps a prefix. Sampled requests draw from its hidden states and base logits with the eager
+sequential head (`DSparkDrafter`), so q stays exactly the distribution each token was drawn from.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.compiled import CompiledRunner
+from dspark.drafters.dspark import ContextCache, DSparkModel, padded_context
+
+
+class CompiledBlock(nn.Module):
+    """`DSparkModel`'s inference block with dense weights (a copy of the module tree sharing the model's tensors,
+    plain `nn.Linear`s where the model has packed ones) and the draft LM head as a frozen parameter."""
+
+    def __init__(self, model: DSparkModel) -> None:
+        super().__init__()
+        dense = DSparkModel(model.config)
+        dense.load_state_dict(model.state_dict(), assign=True)  # the same tensors, no copy
+        self.model = dense.to(model.device).eval()
+        embed, head = model.embeddings()
+        dense.share_embeddings(embed, head)
+        weight, bias = model.draft_head(head)
+        self.head_weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.head_bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, anchors: torch.Tensor, last_context: torch.Tensor | None, positions: torch.Tensor,
+                keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> tuple:
+        """For the blocks after anchors (R,) at positions (R, γ), over context K/V per draft layer (R, H, L, hd) that
+        mask (R, 1, 1, L + γ) selects: hidden (R, γ, D), base logits (R, γ, Vd), the greedy draft (R, γ) in
+        target ids and its confidence logits (R, γ) (None without a confidence head)."""
+        model = self.model
+        x = model.block_input(anchors, last_context)
+        hidden = model.block_hidden(x, positions, list(zip(keys, values, strict=True)), mask)
+        base_logits = F.linear(hidden.to(self.head_weight.dtype), self.head_weight, self.head_bias)
+        head = model.markov_head
+        state = None if head is None else head.initial_state(hidden[:, 0])
+        prev, previous, tokens = anchors, [], []
+        for k in range(base_logits.shape[1]):
+            logits = base_logits[:, k]
+            if head is not None:
+                bias, state = head.step(state, prev, hidden[:, k])
+                logits = logits + bias
+            previous.append(prev)
+            prev = model.to_target_ids(logits.argmax(-1))
+            tokens.append(prev)
+        confidence_logits = model.confidence_logits(hidden, torch.stack(previous, 1))
+        return hidden, base_logits, torch.stack(tokens, 1), confidence_logits
+
+
+def block_context(caches: list[ContextCache], num_layers: int, block_size: int) -> tuple:
+    """Keys and values per draft layer and the mask of `caches`' blocks: one request's whole buffers (no slice:
+    its length would be a guard), several requests' padded to the longest."""
+    lengths = torch.tensor([cache.length for cache in caches])
+    if len(caches) == 1:
+        keys, values = caches[0].keys, caches[0].values
+    else:
+        keys, values = map(list, zip(*(padded_context(caches, i) for i in range(num_layers)), strict=True))
+    width = keys[0].shape[2]
+    sees = torch.arange(width + block_size) < lengths[:, None]
+    sees[:, width:] = True  # every slot of its own block
+    return keys, values, sees[:, None, None].to(keys[0].device)
+
+
+def compiled_block(model: DSparkModel) -> CompiledRunner:
+    """The compiled round of `model`, made once per model: every drafter on it (one per engine) shares it."""
+    cache = model.__dict__.setdefault("_dspark_compiled_block", [])
+    if not cache:
+        cache.append(CompiledRunner(CompiledBlock(model).eval(), "compiled draft"))
+    return cache[0]

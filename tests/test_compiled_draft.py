@@ -1,0 +1,129 @@
+"""The DSpark drafter's compiled round (`dspark.drafters.compiled_block`, `--compile`): it drafts what the eager
+round drafts (greedy chain, confidences; sampled requests from its block with the eager head), two graphs whatever
+the contexts, lengths or capacities, keeps greedy speculative decoding identical to vanilla decoding, and falls back
+to the eager round when compiling fails. One tiny drafter per module: compiling is the slow part."""
+
+import shutil
+
+import pytest
+import torch
+from test_dspark_drafter import DRAFT_IDS, VOCAB, features, make_model, tiny_target
+from torch._dynamo.utils import counters
+
+from dspark.compiled import CompiledRunner
+from dspark.drafters.dspark_drafter import DSparkDrafter
+from dspark.drafters.lookup_first import LookupFirstDrafter
+from dspark.engine import Engine, Request
+from dspark.profiling import drafter_tag
+from dspark.ragged import RaggedBackend
+from dspark.sampling import SamplingParams, make_generator
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="torch.compile on a CPU needs a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(seed=5)
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    """(eager, compiled) drafters on one model: a stateful sequential head, a reduced vocabulary and the last
+    context input, the paths the graph must carry."""
+    model = make_model(target, "rnn", block_size=5, draft_ids=DRAFT_IDS, last_context_input=True)
+    eager = DSparkDrafter(model)
+    return eager, eager.compiled()
+
+
+def contexts_and_states(target, drafter, lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, VOCAB, (n + 1,), generator=generator) for n in lengths]
+    states = [drafter.start(i[:-1], features(target, i[None])[0, :-1]) for i in ids]
+    return ids, states
+
+
+def test_the_compiled_round_drafts_what_the_eager_round_does(target, drafters):
+    eager, compiled = drafters
+    assert compiled.drafts_compiled and not eager.drafts_compiled and compiled.model is eager.model
+    assert drafter_tag(compiled) != drafter_tag(eager)  # profiled apart: another price
+    greedy = SamplingParams()
+    graphs = []
+    # one request and several, contexts of different lengths, caches past their first capacity (64)
+    for lengths, counts in (((9,), (5,)), ((30, 9, 70), (5, 2, 4)), ((100,), (3,)), ((12, 140), (5, 5))):
+        ids, states = contexts_and_states(target, eager, lengths, seed=len(lengths))
+        args = (states, ids, list(counts), [greedy] * len(ids), [None] * len(ids))
+        want, got = eager.propose_batch(*args), compiled.propose_batch(*args)
+        for a, b, n in zip(want, got, counts, strict=True):
+            assert len(b) == n and torch.equal(a.tokens, b.tokens) and b.q is None
+            torch.testing.assert_close(b.confidence, a.confidence, atol=1e-5, rtol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+        for state in states:  # past the length the buffers hold zeros: the graph reads them under a mask, and a
+            cache = state.cache  # masked NaN of uninitialised memory would still reach its output (0 · NaN)
+            assert all((buffer[:, :, cache.length:] == 0).all() for buffer in cache.keys + cache.values)
+    assert graphs[1] == graphs[2] == graphs[3] and compiled.block.failed is None  # two graphs, then none
+
+
+def test_sampled_requests_draw_from_the_compiled_block_with_the_eager_head(target, drafters):
+    """q must be exactly what each token was drawn from: sampled rows take the graph's hidden states and base
+    logits through the eager sequential head, beside a greedy row in the same round."""
+    eager, compiled = drafters
+    ids, states = contexts_and_states(target, eager, (20, 41), seed=7)
+    samplings = [SamplingParams(temperature=0.9, top_k=12), SamplingParams()]
+    want = eager.propose_batch(states, ids, [5, 4], samplings, [make_generator(3), None])
+    got = compiled.propose_batch(states, ids, [5, 4], samplings, [make_generator(3), None])
+    assert torch.equal(got[0].tokens, want[0].tokens) and torch.equal(got[1].tokens, want[1].tokens)
+    torch.testing.assert_close(got[0].q, want[0].q, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[0].q.sum(-1), torch.ones(5))
+    assert (got[0].q[torch.arange(5), got[0].tokens] > 0).all() and got[1].q is None
+
+
+def test_greedy_speculative_decoding_with_the_compiled_round_is_vanilla_decoding(target, drafters):
+    eager, compiled = drafters
+    prompt = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(11))
+
+    def generate(drafter, block_size):
+        engine = Engine(RaggedBackend(target, drafter.target_layer_ids), drafter, block_size=block_size)
+        request = Request(prompt, 30)
+        return [t for chunk in engine.stream(request) for t in chunk]
+
+    assert generate(compiled, 5) == generate(eager, 0)
+    wrapped = LookupFirstDrafter(eager).compiled()  # the default drafter's shape: lookup first, then the model
+    assert wrapped.drafts_compiled and wrapped.model.block is compiled.block
+    assert generate(wrapped, 5) == generate(eager, 0)
+
+
+def test_warm_up_compiles_both_graphs(target):
+    """A server warms the drafter up before it listens: afterwards no round compiles."""
+    model = make_model(target, "vanilla", block_size=4, seed=8)
+    drafter = DSparkDrafter(model).compiled()
+    assert DSparkDrafter(model).warm_up() == 0  # not compiled: nothing to do
+    assert drafter.warm_up() == 2
+    before = counters["stats"]["unique_graphs"]
+    for lengths in ((15,), (80, 3), (7, 30, 66)):
+        ids, states = contexts_and_states(target, drafter, lengths, seed=sum(lengths))
+        drafter.propose_batch(states, ids, [4] * len(ids), [SamplingParams()] * len(ids), [None] * len(ids))
+    assert counters["stats"]["unique_graphs"] == before and drafter.block.failed is None
+
+
+def test_a_compile_failure_drafts_the_eager_way_and_says_why(target, drafters, monkeypatch, capsys):
+    eager, compiled = drafters
+    fresh = CompiledRunner(compiled.block.module, "compiled draft")  # not the shared runner: other tests keep it
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise RuntimeError("InductorError: no C++ compiler\ndetails")
+
+    monkeypatch.setattr(fresh, "compiled", broken)
+    compiled = DSparkDrafter(eager.model)
+    compiled.block = fresh
+    ids, states = contexts_and_states(target, eager, (10, 25), seed=2)
+    args = (states, ids, [5, 5], [SamplingParams()] * 2, [None] * 2)
+    for _ in range(2):
+        want, got = eager.propose_batch(*args), compiled.propose_batch(*args)
+        assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.confidence, b.confidence)
+                   for a, b in zip(want, got, strict=True))  # the eager round itself, bit for bit
+    assert len(calls) == 1
+    assert "compiled draft unavailable (RuntimeError: InductorError: no C++ compiler); running eager" in (
+        capsys.readouterr().err)
