@@ -162,7 +162,7 @@ class Engine:
         self.gate = gate
         self._gate_open = True  # this round's decision
         self._catching_up = False  # this round's drafts first absorb many committed positions: not measured
-        self._free: set[int] = set()  # ids of this round's requests whose drafts are lookup hits (made in any mode)
+        self._free: set[int] = set()  # ids of this round's requests drafting by lookup hits (made where the plan skips)
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -234,14 +234,14 @@ class Engine:
 
     def _unmeasured(self, num_requests: int, decoding_only: bool) -> str | None:
         """Why the gate must not judge by this round (None: it may): a prompt chunk dwarfs the decode, a drafter
-        catching up pays once what a drafting round does not, lookup drafts only are made in either mode, and a
-        plain round that verifies lookup drafts costs more than plain decoding while its lookups count one token
-        each (session 18: measured, such rounds at 8 requests made plain decoding read slower than drafting)."""
+        catching up pays once what a drafting round does not, and a round of lookup drafts only runs no drafting
+        model. (A closed round verifies no lookup draft: one row's lookup made a round of 8 requests ~20% slower
+        for ~1 more token, session 28.)"""
         if not decoding_only:
             return "prefill"
         if self._catching_up:
             return "catch-up"
-        if len(self._free) >= num_requests or (self._free and not self._gate_open):
+        if len(self._free) >= num_requests:
             return "free"
         return None
 
@@ -286,8 +286,9 @@ class Engine:
                           for r, n, f in zip(requests, num_tokens, free, strict=True)]
         prefilling = len(requests) < len(self.running)  # a prompt chunk shares the round: the gate cannot measure it
         self._gate_open = self.gate is None or not requests or self.gate.should_draft(len(requests), not prefilling)
-        if not self._gate_open:  # plain decoding measured faster: only free and reproducible drafts
-            num_tokens = [n if r.reproducible or f else 0 for r, n, f in zip(requests, num_tokens, free, strict=True)]
+        if not self._gate_open:  # plain decoding measured faster: only reproducible drafts, not even lookup hits
+            self._free = set()
+            num_tokens = [n if r.reproducible else 0 for r, n in zip(requests, num_tokens, strict=True)]
         active = [i for i, n in enumerate(num_tokens) if n > 0]
         self._catching_up = self.gate is not None and any(  # a lookup hit runs no model: its backlog waits
             self._pending(requests[i]) > self.block_size + 1 for i in active if not free[i])
@@ -516,7 +517,7 @@ def expected_tokens(rounds: list[tuple[Request, Draft]], events: list[tuple[Requ
     not, would need tens of them per estimate; the expectation varies far less (session 15: 3 unlucky drafting
     rounds at one request read 26 tokens/s against 41 over 50, and kept drafting off for 30 rounds).
 
-    A request in `free` (ids: its draft was a lookup hit, made whether the gate is open or not) counts 1: its
+    A request in `free` (ids: its draft was a lookup hit, made even where the plan skipped drafting) counts 1: its
     draft says nothing about drafting against plain decoding. Counted, a lookup hit in one of the rare plain
     rounds read ~4x a plain round's speed and closed drafting for up to 64 rounds (session 16, bench load at one
     request: 116 plain rounds against 664, the gate 13% below no gate)."""

@@ -228,7 +228,7 @@ class RaggedBackend:
         ends = [a + n for a, n in zip(starts, sizes, strict=True)]
         if self.window and max(ends) > self.window:
             raise DsparkError(f"context of {max(ends)} tokens exceeds the sliding window {self.window}")
-        compiled = self.compiled is not None and max(sizes) <= self.compiled.max_tokens  # decode, verify; not prefill
+        compiled = self.compiled is not None and max(sizes) <= self.compiled.max_tokens  # any chunk but a long prompt's
         # compiled: room past the end, since a cache read that ends at the capacity is contiguous, one that ends
         # before it is not, and the graph would be compiled again for the other case
         self.cache.reserve(max(ends) + compiled)

@@ -3,6 +3,7 @@ computes (logits, target features, cache), survives the cache growing under it w
 speculative decoding identical to vanilla decoding with the same forward, and falls back to eager when compiling
 fails. One tiny model per test module: compiling is the slow part (one graph for one token, one for more)."""
 
+import inspect
 import shutil
 
 import pytest
@@ -31,7 +32,7 @@ def test_compiled_forward_computes_what_the_eager_one_does(llama):
     compiled = RaggedBackend(llama, layer_ids, max_slots=2, compile=True)
     assert compiled.compiled is not None and compiled.compiled.max_tokens >= 8
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, VOCAB, (250,), generator=generator)  # prefill (> 16 tokens) runs eager
+    prompt = torch.randint(3, VOCAB, (250,), generator=generator)  # a prompt chunk: compiled as well
     slots = {}
     for name, backend in (("eager", eager), ("compiled", compiled)):
         backend.allocate()  # slot 0 stays empty: the compiled forward must write and read slot 1
@@ -107,20 +108,29 @@ def test_warm_up_compiles_every_graph_before_the_first_request():
     assert compiled.compiled.failed is None
 
 
-def test_compiled_rounds_of_several_requests_compute_what_the_eager_forward_does(llama):
+def test_compiled_rounds_of_several_requests_compute_what_the_eager_forward_does(llama, monkeypatch):
     """Rounds of several requests (any slots, contiguous or not, of different lengths and sizes, the cache growing
-    past its capacity) give the eager forward's logits, features and cache; a prefill chunk still runs eager."""
+    past its capacity) give the eager forward's logits, features and cache, and run compiled, a prompt chunk beside
+    verify segments too (a round that admits a request used to drop the whole batch to the eager forward); a chunk
+    longer than the compiled forward takes runs eager."""
     layer_ids = (-1, 0, 1)
     eager = RaggedBackend(llama, layer_ids, max_slots=4)
     compiled = RaggedBackend(llama, layer_ids, max_slots=4, compile=True)
+    calls = []
+    run = CompiledRunner.__call__
+    monkeypatch.setattr(CompiledRunner, "__call__",
+                        lambda self, *args: calls.append(args[0].shape[0]) or run(self, *args))
+    monkeypatch.setattr(compiled.compiled, "max_tokens", 24)
     generator = torch.Generator().manual_seed(5)
     for backend in (eager, compiled):
         assert [backend.allocate() for _ in range(4)] == [0, 1, 2, 3]
-    for slot, length in enumerate((30, 250, 3, 60)):
+    for slot, length in enumerate((30, 250, 3, 60)):  # all but 3 tokens longer than the limit: eager
         prompt = torch.randint(3, VOCAB, (length,), generator=generator)
         for backend in (eager, compiled):
             backend.forward([Segment(slot, prompt, "none")])
-    rounds = [{0: 1, 1: 1}, {1: 8, 3: 1}, {0: 3, 2: 3, 3: 2}, {1: 4, 2: 1}, {0: 2, 1: 20, 3: 1}, {1: 1, 3: 1}]
+    assert calls == [3]
+    rounds = [{0: 1, 1: 1}, {1: 8, 3: 1}, {0: 3, 2: 3, 3: 2}, {1: 4, 2: 1}, {0: 2, 1: 20, 3: 1}, {1: 1, 3: 1},
+              {0: 8, 2: 30}]
     for sizes in rounds:
         segments = [Segment(slot, torch.randint(3, VOCAB, (size,), generator=generator), "last" if size > 16 else "all")
                     for slot, size in sizes.items()]
@@ -128,6 +138,9 @@ def test_compiled_rounds_of_several_requests_compute_what_the_eager_forward_does
         for w, g in zip(want, got, strict=True):
             torch.testing.assert_close(g.logits, w.logits, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(g.hidden, w.hidden, atol=1e-4, rtol=1e-4)
+    assert calls[1:] == [2, 9, 8, 5, 23, 2]  # every round compiled, the 20-token prompt chunk's too; not 30 tokens
+    # with an engine's default settings, every prompt chunk fits the compiled forward
+    assert CompiledRunner.max_tokens >= inspect.signature(Engine).parameters["prefill_chunk"].default
     assert eager.cache.lengths == compiled.cache.lengths and compiled.cache.capacity > 256
     for slot, length in enumerate(eager.cache.lengths):
         for ours, theirs in ((compiled.cache.keys, eager.cache.keys), (compiled.cache.values, eager.cache.values)):
