@@ -64,10 +64,11 @@ class CompiledDecode(nn.Module):
             layer.input_norm, layer.post_norm = fused.input_norm, fused.post_norm
             self.layers.append(layer)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: BatchLayout, keys: list[torch.Tensor],
-                values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (N, V) and hidden states of `layer_ids` (N, D·len) or None of every new token of a round, flat;
-        writes each token's keys and values at its (slot, position)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: BatchLayout, logit_rows: torch.Tensor,
+                keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (len(logit_rows), V) of the new tokens at `logit_rows` (flat indices: a prompt chunk needs one
+        or none, so its LM head is not paid per token) and hidden states of `layer_ids` (N, D·len) or None of every
+        new token of a round; writes each token's keys and values at its (slot, position)."""
         n = tokens.shape[0]
         heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed(tokens)
@@ -96,7 +97,7 @@ class CompiledDecode(nn.Module):
             if self.last_layer in features:  # HF reports the last layer's output after the final norm
                 features[self.last_layer] = rms_norm(features[self.last_layer], self.norm)
             hidden = torch.cat([features[i] for i in self.layer_ids], -1)
-        return F.linear(rms_norm(x, self.norm), self.head_weight).float(), hidden
+        return F.linear(rms_norm(x[logit_rows], self.norm), self.head_weight).float(), hidden
 
 
 def compilable(backend) -> bool:

@@ -237,14 +237,17 @@ class RaggedBackend:
         if compiled:
             positions = torch.cat([torch.arange(a, e) for a, e in zip(starts, ends, strict=True)]).to(device)
             layout = batch_layout([s.slot for s in segments], starts, sizes, device)
-            result = self.compiled(tokens, positions, layout, self.cache.keys, self.cache.values)
+            offsets = [0, *itertools.accumulate(sizes)][:-1]
+            rows = logit_rows(segments, offsets, sizes)
+            picked = torch.cat(rows)
+            if picked.numel() < 2:  # padded with row 0: dynamo specialises a size of 0 or 1, a graph (and weights) each
+                picked = torch.cat([picked, torch.zeros(2 - picked.numel(), dtype=torch.long)])
+            result = self.compiled(tokens, positions, layout, picked.to(device), self.cache.keys, self.cache.values)
             if result is not None:  # else compiling failed (said once): the eager forward below
                 for segment, end in zip(segments, ends, strict=True):
                     self.cache.lengths[segment.slot] = end
                 logits, hidden = result
-                offsets = [0, *itertools.accumulate(sizes)]
-                return [_one_output(segment, logits[a:b], None if hidden is None else hidden[a:b])
-                        for segment, a, b in zip(segments, offsets[:-1], offsets[1:], strict=True)]
+                return split_outputs(rows, offsets, sizes, logits, hidden)
         positions = torch.cat([torch.arange(a, e, device=device) for a, e in zip(starts, ends, strict=True)])
 
         inner = self.model.model
@@ -309,34 +312,38 @@ class RaggedBackend:
         return linear(out.reshape(out.shape[0], -1).to(x.dtype), layer.o_proj)
 
     def _outputs(self, segments, offsets, sizes, normed, hidden) -> list[TargetOutput]:
-        rows = []
-        for segment, offset, size in zip(segments, offsets, sizes, strict=True):
-            if segment.logits == "all":
-                rows.append(torch.arange(offset, offset + size))
-            elif segment.logits == "last":
-                rows.append(torch.tensor([offset + size - 1]))
-            else:
-                rows.append(torch.empty(0, dtype=torch.long))
+        rows = logit_rows(segments, offsets, sizes)
         picked = torch.cat(rows).to(normed.device)
         logits = self.lm_head(normed[picked]).float() if picked.numel() else normed.new_empty(0, self.vocab_size)
-        outputs, cursor = [], 0
-        for row, offset, size in zip(rows, offsets, sizes, strict=True):
-            count = int(row.numel())
-            outputs.append(TargetOutput(
-                logits[cursor : cursor + count],
-                None if hidden is None else hidden[offset : offset + size],
-            ))
-            cursor += count
-        return outputs
+        return split_outputs(rows, offsets, sizes, logits, hidden)
 
 
-def _one_output(segment: Segment, logits: torch.Tensor, hidden: torch.Tensor | None) -> TargetOutput:
-    """A compiled forward's output (logits of every new token) cut to the positions the segment asked for."""
-    if segment.logits == "last":
-        logits = logits[-1:]
-    elif segment.logits == "none":
-        logits = logits[:0]
-    return TargetOutput(logits, hidden)
+def logit_rows(segments: Sequence[Segment], offsets: Sequence[int], sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Per segment, the flat rows of a round whose logits it asked for: all, its last (a prompt's final chunk) or
+    none (an earlier chunk): the LM head is a fifth of a long prompt chunk's arithmetic."""
+    rows = []
+    for segment, offset, size in zip(segments, offsets, sizes, strict=True):
+        if segment.logits == "all":
+            rows.append(torch.arange(offset, offset + size))
+        elif segment.logits == "last":
+            rows.append(torch.tensor([offset + size - 1]))
+        else:
+            rows.append(torch.empty(0, dtype=torch.long))
+    return rows
+
+
+def split_outputs(rows: list[torch.Tensor], offsets: Sequence[int], sizes: Sequence[int], logits: torch.Tensor,
+                  hidden: torch.Tensor | None) -> list[TargetOutput]:
+    """Each segment's logits (the head's output rows in `rows` order; any past them are padding) and hidden states."""
+    outputs, cursor = [], 0
+    for row, offset, size in zip(rows, offsets, sizes, strict=True):
+        count = int(row.numel())
+        outputs.append(TargetOutput(
+            logits[cursor : cursor + count],
+            None if hidden is None else hidden[offset : offset + size],
+        ))
+        cursor += count
+    return outputs
 
 
 #: a fused projection: a dense weight (F.linear) or a module computing it (int4 weights, `linear`)

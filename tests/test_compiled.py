@@ -89,8 +89,9 @@ def test_warm_up_compiles_every_graph_before_the_first_request():
     prompt = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(2))
     for backend in (eager, compiled):
         assert [backend.allocate() for _ in range(4)] == [0, 1, 2, 3]
-        for slot in range(4):
-            backend.forward([Segment(slot, prompt[: 20 + 5 * slot], "none")])
+        for slot in range(4):  # prompt chunks run compiled too: asking for no logits or the last row's
+            out = backend.forward([Segment(slot, prompt[: 20 + 5 * slot], "last" if slot == 3 else "none")])[0]
+            assert out.logits.shape[0] == (slot == 3) and out.hidden.shape[0] == 20 + 5 * slot
     rounds = [{2: 1}, {0: 4}, {1: 1}, {0: 1, 1: 1, 2: 1, 3: 1}, {1: 3, 3: 1}, {0: 2, 2: 5}, {2: 1, 3: 1}, {0: 1, 3: 8}]
     for sizes in rounds:
         segments = [Segment(slot, torch.randint(3, VOCAB, (size,)), "all") for slot, size in sizes.items()]

@@ -737,8 +737,8 @@ def test_chaos(tiny_paths):
         elapsed = time.monotonic() - started
         wait_for(lambda: in_flight() == 0, 10, "requests left in flight after the run")
         # a leak grows the heap by the same amount every round; the allocator's arenas (one per thread that
-        # ever allocated) fill up over the first rounds and then stop: so the leak check is the growth over
-        # the last rounds, once the first ones have settled the arenas
+        # ever allocated) grow over the first rounds and then in steps: so the leak check is that the rounds
+        # after the first do not all grow (a planted 100 KB/request leak: +19 to +23 MiB every round)
         rss = [rss_start, rss_bytes(server.pid)]
         for _ in range(3):
             list(pool.map(one, range(200)))
@@ -759,5 +759,8 @@ def test_chaos(tiny_paths):
           f"/health {len(health)} probes p50 {p50 * 1000:.1f} ms p99 {p99 * 1000:.1f} ms; "
           f"server RSS over the rounds {' -> '.join(f'{r / 2**20:.0f}' for r in rss)} MiB")
     assert p99 < 0.2
-    assert rss[-1] - rss[-3] <= 0.05 * rss_start, "the server's memory grows round after round"
+    # a leak grows every round by about the same amount; arenas grow in steps (a busier machine reaches a new peak
+    # of requests in flight now and then: 572 -> 601 MiB in one round of a full parallel suite, then +9)
+    growth = [after - before for before, after in zip(rss[1:], rss[2:], strict=False)]
+    assert min(growth) <= 0.02 * rss_start, f"the server's memory grows every round: {growth}"
     assert rss[-1] - rss_start <= 0.25 * rss_start
