@@ -49,7 +49,8 @@ def main(context: int = 200, layers: int = 30) -> None:
     for rows, chunk in ((8, 70), (4, 70), (8, 8)):
         padded, split = case(rows, chunk, context)
         print(f"{rows - 1} decode rows + a {chunk}-token chunk, context {context}: padded {padded:.3f} ms a layer "
-              f"({padded * layers:.1f} ms for {layers} layers), split {split:.3f} ({split * layers:.1f})")
+              f"({padded * layers:.1f} ms for {layers} layers), split {split:.3f} ({split * layers:.1f}): "
+              f"split / padded {split / padded:.2f}")
 
 
 if __name__ == "__main__":

@@ -442,8 +442,12 @@ def test_a_closed_gate_verifies_no_lookup_draft_and_measures_every_plain_round()
     gate.trace = []
     engine = Engine(SerialBackend([MarkovTarget(target_table) for _ in range(2)]), drafter, block_size=4,
                     scheduler="dspark", sps=SPSTable(tuple(1.0 / (1.0 + 0.05 * b) for b in range(1, 40))), gate=gate)
+    asked_while_open = []  # a closed round does not even look for lookup hits
+    look = drafter.drafts_for_free
+    drafter.drafts_for_free = lambda state, context: asked_while_open.append(engine._gate_open) or look(state, context)
     requests = [Request(torch.tensor([first, 3]), 30) for first in (0, 1)]
     engine.run(requests)
+    assert all(asked_while_open)
     at_two = [row for row in gate.trace if row["num_requests"] == 2]
     assert len(at_two) == 29 and all("unmeasured" not in row and not row["drafted"] for row in at_two)
     assert gate.summary()[2]["plain_rounds"] == 2 + 29

@@ -2,6 +2,7 @@
 hang-ups, the drain, KV memory, auth and loaders, then a bounded chaos run. Tiny model, loopback only."""
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -761,6 +762,6 @@ def test_chaos(tiny_paths):
     assert p99 < 0.2
     # a leak grows every round by about the same amount; arenas grow in steps (a busier machine reaches a new peak
     # of requests in flight now and then: 572 -> 601 MiB in one round of a full parallel suite, then +9)
-    growth = [after - before for before, after in zip(rss[1:], rss[2:], strict=False)]
+    growth = [after - before for before, after in itertools.pairwise(rss[1:])]
     assert min(growth) <= 0.02 * rss_start, f"the server's memory grows every round: {growth}"
     assert rss[-1] - rss_start <= 0.25 * rss_start
