@@ -10,10 +10,11 @@ plain and their matmuls get slower).
 `CompiledDecode` is the ragged forward's arithmetic for a round of decode, verify and prompt segments, one request's or
 several (`dspark.ragged.RaggedBackend`), reading and writing the backend's own slot cache, so eager and compiled
 forwards can alternate on one slot (prompt chunks longer than `MAX_COMPILED_TOKENS` run eager). Attention is padded
-(`padded_attention`: one SDPA over the round's slot range read as a view) and the cache is written through tensor
-indices, so no slot, context length or step size is a guard: four graphs, since dynamic shapes specialise size 1
-(one token or more per request, one request or more). Weights are frozen at the first call: for inference only; a
-model whose weights are written afterwards needs a new backend.
+(`padded_attention`: one SDPA over the round's slot range read as a view; a prompt chunk much longer than the round's
+other segments in an SDPA of its own, `round_layouts`) and the cache is written through tensor indices, so no slot,
+context length or step size is a guard: five graphs, since dynamic shapes specialise size 1 (one token or more per
+request, one request or more; a chunk apart, its neighbours padded to no dimension of 1). Weights are frozen at the
+first call: for inference only; a model whose weights are written afterwards needs a new backend.
 
 Not bit-identical to the eager forward (fused kernels round bf16 differently), so speculative decoding is exact
 against vanilla decoding *with the same compiled forward*, as the eager bf16 forward is (see docs/runtime.md,
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.loading import log
-from dspark.ragged import BatchLayout, half_signed, padded_attention, rms_norm, rotate
+from dspark.ragged import BatchLayout, half_signed, rms_norm, rotate, round_attention
 
 #: the most new tokens per request a compiled forward takes: decode and verify steps, and prompt chunks up to the
 #: engine's default chunk (longer ones run eager). Compiled, a 70-token prompt chunk beside three 8-token verify
@@ -64,11 +65,13 @@ class CompiledDecode(nn.Module):
             layer.input_norm, layer.post_norm = fused.input_norm, fused.post_norm
             self.layers.append(layer)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: BatchLayout, logit_rows: torch.Tensor,
-                keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slot_index: torch.Tensor,
+                layouts: tuple[BatchLayout, ...], logit_rows: torch.Tensor, keys: list[torch.Tensor],
+                values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (len(logit_rows), V) of the new tokens at `logit_rows` (flat indices: a prompt chunk needs one
         or none, so its LM head is not paid per token) and hidden states of `layer_ids` (N, D·len) or None of every
-        new token of a round; writes each token's keys and values at its (slot, position)."""
+        new token of a round; writes each token's keys and values at its (slot_index, position); attention runs
+        over the padded blocks of `layouts` (`dspark.ragged.round_layouts`)."""
         n = tokens.shape[0]
         heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed(tokens)
@@ -83,9 +86,9 @@ class CompiledDecode(nn.Module):
             q, k, v = (t.to(self.attention_dtype) for t in (qk[:, :heads], qk[:, heads:], v))
             # tensor indices for the write: a slice `[slot]` or `slot : slot + 1` made inductor's in-place pass
             # guard `slot == 0`, a graph pair for slot 0 beside the pair every other slot shared
-            keys[index][layout.slot_index, :, positions] = k
-            values[index][layout.slot_index, :, positions] = v
-            out = padded_attention(q, keys[index], values[index], layout, self.gqa)
+            keys[index][slot_index, :, positions] = k
+            values[index][slot_index, :, positions] = v
+            out = round_attention(q, keys[index], values[index], layouts, self.gqa)
             x = x + F.linear(out.reshape(n, -1).to(x.dtype), layer.o_proj)
             h = rms_norm(x, layer.post_norm)
             gate, up = F.linear(h, layer.gate_up).chunk(2, -1)

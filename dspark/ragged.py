@@ -182,9 +182,10 @@ class RaggedBackend:
         """Compile every graph the compiled forward will run before any request needs them, so a server compiles
         before it listens rather than inside its first requests' deadlines: steps of one and of two tokens for
         one request and for rounds of two (a dimension of size 1 is a guard: four graphs), on slot 0 and from
-        slot 1 (no graph should depend on the slots; cheap if none does). Needs an idle backend: it borrows slots
-        0-2 and leaves the free list as it found it. Returns how many steps ran compiled (0 without a compiled
-        forward)."""
+        slot 1 (no graph should depend on the slots; cheap if none does), and a prompt chunk attended apart beside
+        other requests' steps (`round_layouts`: a fifth graph), the chunk on slot 1 and on slot 0. Needs an idle
+        backend: it borrows slots 0-2 and leaves the free list as it found it. Returns how many steps ran compiled
+        (0 without a compiled forward)."""
         if self.compiled is None:
             return 0
         if len(self.free) != self.max_slots:
@@ -192,17 +193,19 @@ class RaggedBackend:
         free, slots = list(self.free), list(range(min(3, self.max_slots)))
         self.free = [slot for slot in free if slot not in slots]
         context = self.compiled.max_tokens + 1  # a prefill longer than a compiled step: it runs eager
-        rounds = [group for group in (slots[:1], slots[1:2], slots[:2], slots[1:3]) if group]
+        rounds = [{slot: size for slot in group} for group in (slots[:1], slots[1:2], slots[:2], slots[1:3]) if group
+                  for size in (1, 2)]
+        if len(slots) > 1:  # a chunk beside a 2-token step
+            rounds += [{0: 2, 1: 2 * APART_RATIO}, {1: 2, 0: 2 * APART_RATIO}]
         steps = 0
         try:
             for slot in slots:
                 self.forward([Segment(slot, torch.zeros(context, dtype=torch.long), "none")])
-            for group in rounds:
-                for size in (1, 2):
-                    self.forward([Segment(slot, torch.zeros(size, dtype=torch.long), "all") for slot in group])
-                    for slot in group:
-                        self.rollback(slot, context)
-                    steps += self.compiled.failed is None
+            for sizes in rounds:
+                self.forward([Segment(slot, torch.zeros(n, dtype=torch.long), "all") for slot, n in sizes.items()])
+                for slot in sizes:
+                    self.rollback(slot, context)
+                steps += self.compiled.failed is None
         finally:
             for slot in slots:
                 self.cache.lengths[slot] = 0
@@ -236,13 +239,16 @@ class RaggedBackend:
         tokens = torch.cat([s.token_ids.to(device) for s in segments])
         if compiled:
             positions = torch.cat([torch.arange(a, e) for a, e in zip(starts, ends, strict=True)]).to(device)
-            layout = batch_layout([s.slot for s in segments], starts, sizes, device)
+            slots = [s.slot for s in segments]
+            slot_index = torch.repeat_interleave(torch.tensor(slots), torch.tensor(sizes)).to(device)
+            layouts = round_layouts(slots, starts, sizes, len(self.cache.lengths), device)
             offsets = [0, *itertools.accumulate(sizes)][:-1]
             rows = logit_rows(segments, offsets, sizes)
             picked = torch.cat(rows)
             if picked.numel() < 2:  # padded with row 0: dynamo specialises a size of 0 or 1, a graph (and weights) each
                 picked = torch.cat([picked, torch.zeros(2 - picked.numel(), dtype=torch.long)])
-            result = self.compiled(tokens, positions, layout, picked.to(device), self.cache.keys, self.cache.values)
+            result = self.compiled(tokens, positions, slot_index, layouts, picked.to(device), self.cache.keys,
+                                   self.cache.values)
             if result is not None:  # else compiling failed (said once): the eager forward below
                 for segment, end in zip(segments, ends, strict=True):
                     self.cache.lengths[segment.slot] = end
@@ -516,12 +522,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 
 
 class BatchLayout(NamedTuple):
-    """Where a round's flat tokens sit: slot_index (N,) each token's slot; batch_index / row_index (N,) its row of
-    the padded (count, longest) query block; mask (count, 1, longest, context) what each padded query sees; the
-    block covers slots first_slot .. first_slot + count - 1 (slots in between that are not in the round are
-    padding, as are rows past a segment's end: they see position 0 only, so no softmax is empty)."""
+    """Where some of a round's flat tokens sit in a padded (count, longest) query block: rows (n,) which flat rows
+    (None: all of them, in order); batch_index / row_index (n,) each one's row of the block; mask (count, 1, longest,
+    context) what each padded query sees; the block covers slots first_slot .. first_slot + count - 1 (slots in
+    between that are not in the block are padding, as are rows past a segment's end: they see position 0 only, so
+    no softmax is empty)."""
 
-    slot_index: torch.Tensor
+    rows: torch.Tensor | None
     batch_index: torch.Tensor
     row_index: torch.Tensor
     mask: torch.Tensor
@@ -529,14 +536,19 @@ class BatchLayout(NamedTuple):
 
 
 def batch_layout(slots: Sequence[int], starts: Sequence[int], sizes: Sequence[int],
-                 device: torch.device | str = "cpu") -> BatchLayout:
-    """The `BatchLayout` of segments (one per slot) of `sizes` new tokens after `starts` cached ones."""
+                 device: torch.device | str = "cpu", rows: torch.Tensor | None = None, minimum: int = 1,
+                 slot_count: int | None = None) -> BatchLayout:
+    """The `BatchLayout` of segments (one per slot) of `sizes` new tokens after `starts` cached ones, at flat `rows`.
+    `minimum`: the block's count, longest and context are padded up to it (the range of slots stays inside
+    `slot_count`), so a compiled graph sees no dimension of size 1 and is not specialised on one."""
     first = min(slots)
-    count, longest = max(slots) - first + 1, max(sizes)
+    count, longest = max(max(slots) - first + 1, minimum), max(max(sizes), minimum)
+    if first + count > (slot_count if slot_count is not None else first + count):
+        first = slot_count - count
     block_starts, block_sizes = [0] * count, [1] * count
     for slot, start, size in zip(slots, starts, sizes, strict=True):
         block_starts[slot - first], block_sizes[slot - first] = start, size
-    context = max(a + n for a, n in zip(starts, sizes, strict=True))
+    context = max(max(a + n for a, n in zip(starts, sizes, strict=True)), minimum)
     row = torch.arange(longest)
     columns = torch.arange(context)
     seen_up_to = torch.tensor(block_starts)[:, None] + row  # (count, longest)
@@ -545,24 +557,66 @@ def batch_layout(slots: Sequence[int], starts: Sequence[int], sizes: Sequence[in
     segment = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(list(sizes)))
     offsets = torch.tensor([0, *sizes]).cumsum(0)[:-1]
     slot_of = torch.tensor(list(slots))
-    return BatchLayout(slot_of[segment].to(device), (slot_of - first)[segment].to(device),
+    return BatchLayout(None if rows is None else rows.to(device), (slot_of - first)[segment].to(device),
                        (torch.arange(int(segment.numel())) - offsets[segment]).to(device), mask[:, None].to(device),
                        first)
 
 
+#: a round's longest segment gets its own attention when it is at least this many times longer than every other:
+#: padded beside the rest, a 70-token prompt chunk made each of seven decoding requests 70 query rows (session 29:
+#: 25-45 ms a round over 30 layers, 5-7 ms apart; `scripts/probe_padded_attention.py`)
+APART_RATIO = 4
+
+
+def round_layouts(slots: Sequence[int], starts: Sequence[int], sizes: Sequence[int], slot_count: int,
+                  device: torch.device | str = "cpu") -> tuple[BatchLayout, ...]:
+    """The padded blocks a round's attention runs as: one over every segment, or, where one segment (a prompt chunk)
+    is `APART_RATIO` times longer than every other and the others hold at least two tokens, that segment alone and
+    the others in a block padded to at least 2 x 2 x 2 (one compiled graph for every such round; with one token
+    beside the chunk the single block costs little more and keeps the graph count down)."""
+    if len(sizes) > 1:
+        longest = max(range(len(sizes)), key=sizes.__getitem__)
+        others = [i for i in range(len(sizes)) if i != longest]
+        if sizes[longest] >= APART_RATIO * max(sizes[i] for i in others) and sum(sizes[i] for i in others) >= 2:
+            offsets = [0, *itertools.accumulate(sizes)]
+            def rows(group: list[int]) -> torch.Tensor:
+                return torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in group])
+            def pick(group: list[int], values: Sequence[int]) -> list[int]:
+                return [values[i] for i in group]
+            return (
+                batch_layout(pick(others, slots), pick(others, starts), pick(others, sizes), device, rows(others),
+                             minimum=2, slot_count=slot_count),
+                batch_layout([slots[longest]], [starts[longest]], [sizes[longest]], device, rows([longest])),
+            )
+    return (batch_layout(slots, starts, sizes, device),)
+
+
 def padded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: BatchLayout,
                      gqa: bool) -> torch.Tensor:
-    """Attention (N, H, hd) of a round's flat queries q (N, H, hd) over one layer's cache (slots, H_kv, capacity, hd),
-    as one SDPA over the padded block of `layout` (the slots' cache rows read as a view, no copy)."""
+    """Attention (n, H, hd) of the flat queries at `layout.rows` of q (N, H, hd) over one layer's cache (slots, H_kv,
+    capacity, hd), as one SDPA over the padded block of `layout` (the slots' cache rows read as a view, no copy)."""
+    if layout.rows is not None:
+        q = q[layout.rows]
     count, longest, context = layout.mask.shape[0], layout.mask.shape[2], layout.mask.shape[3]
-    rows = slice(layout.first_slot, layout.first_slot + count)  # a slice bound, not a guard, when compiled
+    slots = slice(layout.first_slot, layout.first_slot + count)  # a slice bound, not a guard, when compiled
     padded = q.new_zeros(count, longest, q.shape[1], q.shape[2])
     padded[layout.batch_index, layout.row_index] = q
     out = F.scaled_dot_product_attention(
-        padded.transpose(1, 2), keys[rows, :, :context], values[rows, :, :context], attn_mask=layout.mask,
+        padded.transpose(1, 2), keys[slots, :, :context], values[slots, :, :context], attn_mask=layout.mask,
         enable_gqa=gqa,
     )
     return out.transpose(1, 2)[layout.batch_index, layout.row_index]
+
+
+def round_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layouts: Sequence[BatchLayout],
+                    gqa: bool) -> torch.Tensor:
+    """Attention (N, H, hd) of a round's flat queries q (N, H, hd), one padded SDPA per block of `round_layouts`."""
+    if len(layouts) == 1:
+        return padded_attention(q, keys, values, layouts[0], gqa)
+    out = torch.empty_like(q)
+    for layout in layouts:
+        out[layout.rows] = padded_attention(q, keys, values, layout, gqa)
+    return out
 
 
 class _AttentionPlan:
@@ -580,7 +634,7 @@ class _AttentionPlan:
             self.position_index = torch.cat([torch.arange(a, a + n)
                                              for a, n in zip(starts, sizes, strict=True)]).to(device)
         self._masks: dict[tuple[int, int], torch.Tensor | None] = {}
-        self._padded: tuple | None = None
+        self._layouts: tuple[BatchLayout, ...] | None = None
 
     def rows(self):
         return zip(self.slots, self.starts, self.sizes, self.offsets, strict=True)
@@ -597,8 +651,8 @@ class _AttentionPlan:
 
     def padded_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          gqa: bool) -> torch.Tensor:
-        """One SDPA over the padded (count, H, longest, context) block of `batch_layout`: the cache rows of the
-        slots from the lowest to the highest of the round, read as a view."""
-        if self._padded is None:
-            self._padded = batch_layout(self.slots, self.starts, self.sizes, self.device)
-        return padded_attention(q, keys, values, self._padded, gqa)
+        """SDPA over the padded (count, H, longest, context) blocks of `round_layouts`: the cache rows of each
+        block's slots from its lowest to its highest, read as a view."""
+        if self._layouts is None:
+            self._layouts = round_layouts(self.slots, self.starts, self.sizes, keys.shape[0], self.device)
+        return round_attention(q, keys, values, self._layouts, gqa)

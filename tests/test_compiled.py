@@ -15,7 +15,7 @@ from dspark.compiled import CompiledRunner, compilable
 from dspark.drafters.base import NoDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine import Engine, Request
-from dspark.ragged import RaggedBackend, Segment
+from dspark.ragged import RaggedBackend, Segment, round_layouts
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="torch.compile on a CPU needs a C++ compiler")
@@ -83,7 +83,8 @@ def test_warm_up_compiles_every_graph_before_the_first_request():
     eager = RaggedBackend(model, (0, 1), max_slots=4)
     compiled = RaggedBackend(model, (0, 1), max_slots=4, compile=True)
     before = counters["stats"]["unique_graphs"]
-    assert compiled.warm_up() == 8  # one request on slot 0, on slot 1; two from slot 0, from slot 1; 1 and 2 tokens
+    assert compiled.warm_up() == 10  # one request on slot 0, on slot 1; two from slot 0, from slot 1; 1 and 2 tokens;
+    # a chunk apart beside a step, on slot 1 and on slot 0
     warmed = counters["stats"]["unique_graphs"]
     assert warmed > before and compiled.free == [3, 2, 1, 0] and compiled.cache.lengths == [0] * 4
     prompt = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(2))
@@ -92,7 +93,9 @@ def test_warm_up_compiles_every_graph_before_the_first_request():
         for slot in range(4):  # prompt chunks run compiled too: asking for no logits or the last row's
             out = backend.forward([Segment(slot, prompt[: 20 + 5 * slot], "last" if slot == 3 else "none")])[0]
             assert out.logits.shape[0] == (slot == 3) and out.hidden.shape[0] == 20 + 5 * slot
-    rounds = [{2: 1}, {0: 4}, {1: 1}, {0: 1, 1: 1, 2: 1, 3: 1}, {1: 3, 3: 1}, {0: 2, 2: 5}, {2: 1, 3: 1}, {0: 1, 3: 8}]
+    rounds = [{2: 1}, {0: 4}, {1: 1}, {0: 1, 1: 1, 2: 1, 3: 1}, {1: 3, 3: 1}, {0: 2, 2: 5}, {2: 1, 3: 1}, {0: 1, 3: 8},
+              {1: 1, 2: 12, 3: 2}, {3: 16, 0: 3}, {0: 20, 2: 1, 3: 1}, {3: 2, 1: 9}]  # the last four: a chunk apart
+    assert [len(round_layouts(list(r), [40] * len(r), list(r.values()), 4)) for r in rounds[-5:]] == [1, 2, 2, 2, 2]
     for sizes in rounds:
         segments = [Segment(slot, torch.randint(3, VOCAB, (size,)), "all") for slot, size in sizes.items()]
         want = torch.cat([out.logits for out in eager.forward(segments)])

@@ -24,6 +24,7 @@ from dspark.ragged import (
     half_signed,
     rms_norm,
     rotate,
+    round_layouts,
 )
 from dspark.sampling import SamplingParams, make_generator
 from dspark.scheduler import PROBE_EVERY, SPSTable
@@ -123,6 +124,39 @@ def test_padded_attention_reads_contiguous_and_scattered_slots(busy):
         outputs[attention] = ragged.forward([Segment(slot, q[-1:], "all") for slot, q in pairs])
     for loop, padded in zip(outputs["loop"], outputs["padded"], strict=True):
         torch.testing.assert_close(padded.logits, loop.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_prompt_chunk_beside_short_steps_is_attended_apart():
+    """A chunk four times longer than every other segment gets its own SDPA (padded beside decoding requests it made
+    each of them as many query rows); the rest are padded to at least 2 x 2 x 2 so one compiled graph serves every
+    such round; and the padded forward with the chunk apart computes what the loop does, cache included."""
+    short, chunk = round_layouts([0, 1, 2], [50, 60, 0], [1, 1, 70], slot_count=4)
+    assert short.rows.tolist() == [0, 1] and chunk.rows.tolist() == list(range(2, 72))
+    assert short.mask.shape == (2, 1, 2, 61) and chunk.mask.shape == (1, 1, 70, 70) and chunk.first_slot == 2
+    assert len(round_layouts([0, 1], [50, 0], [1, 70], 4)) == 1  # one token beside the chunk: one block
+    assert len(round_layouts([0, 1, 2], [50, 50, 0], [8, 1, 30], 4)) == 1  # not four times longer
+    assert round_layouts([0, 1], [5, 0], [2, 8], 4)[0].mask.shape == (2, 1, 2, 7)  # one slot padded to two
+    edge = round_layouts([3, 1], [50, 0], [2, 9], 4)[0]  # the last slot: the padded range turns downward
+    assert edge.first_slot == 2 and edge.mask.shape[0] == 2 and edge.batch_index.tolist() == [1, 1]
+    model = model_of("llama")
+    sequences = prompts(3, seed=3)
+    chunk_tokens = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(4))
+    backends = {attention: RaggedBackend(model, (0, 2), max_slots=4, attention=attention)
+                for attention in ("loop", "padded")}
+    outputs = {}
+    for attention, ragged in backends.items():
+        assert [ragged.allocate() for _ in range(4)] == [0, 1, 2, 3]
+        ragged.forward([Segment(slot, q, "none") for slot, q in zip((0, 1, 3), sequences, strict=True)])
+        outputs[attention] = ragged.forward([Segment(3, sequences[2][:2], "all"), Segment(2, chunk_tokens, "last"),
+                                             Segment(0, sequences[0][:1], "all"), Segment(1, sequences[1][:3], "all")])
+    assert len(round_layouts([3, 2, 0, 1], [len(q) for q in (sequences[2], [], *sequences[:2])], [2, 40, 1, 3], 4)) == 2
+    for loop, padded in zip(outputs["loop"], outputs["padded"], strict=True):
+        torch.testing.assert_close(padded.logits, loop.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(padded.hidden, loop.hidden, atol=1e-4, rtol=1e-4)
+    loop, padded = backends["loop"].cache, backends["padded"].cache
+    assert loop.lengths == padded.lengths
+    for slot, length in enumerate(loop.lengths):
+        torch.testing.assert_close(padded.keys[1][slot, :, :length], loop.keys[1][slot, :, :length])
 
 
 def test_ragged_refuses_unsupported_models_and_the_engine_falls_back():
