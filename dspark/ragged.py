@@ -196,7 +196,7 @@ class RaggedBackend:
         rounds = [{slot: size for slot in group} for group in (slots[:1], slots[1:2], slots[:2], slots[1:3]) if group
                   for size in (1, 2)]
         if len(slots) > 1:  # a chunk beside a 2-token step
-            rounds += [{0: 2, 1: 2 * APART_RATIO}, {1: 2, 0: 2 * APART_RATIO}]
+            rounds += [{slots[0]: 2, slots[1]: 2 * APART_RATIO}, {slots[1]: 2, slots[0]: 2 * APART_RATIO}]
         steps = 0
         try:
             for slot in slots:
@@ -543,7 +543,7 @@ def batch_layout(slots: Sequence[int], starts: Sequence[int], sizes: Sequence[in
     `slot_count`), so a compiled graph sees no dimension of size 1 and is not specialised on one."""
     first = min(slots)
     count, longest = max(max(slots) - first + 1, minimum), max(max(sizes), minimum)
-    if first + count > (slot_count if slot_count is not None else first + count):
+    if slot_count is not None and first + count > slot_count:
         first = slot_count - count
     block_starts, block_sizes = [0] * count, [1] * count
     for slot, start, size in zip(slots, starts, sizes, strict=True):
@@ -574,21 +574,17 @@ def round_layouts(slots: Sequence[int], starts: Sequence[int], sizes: Sequence[i
     is `APART_RATIO` times longer than every other and the others hold at least two tokens, that segment alone and
     the others in a block padded to at least 2 x 2 x 2 (one compiled graph for every such round; with one token
     beside the chunk the single block costs little more and keeps the graph count down)."""
-    if len(sizes) > 1:
-        longest = max(range(len(sizes)), key=sizes.__getitem__)
-        others = [i for i in range(len(sizes)) if i != longest]
-        if sizes[longest] >= APART_RATIO * max(sizes[i] for i in others) and sum(sizes[i] for i in others) >= 2:
-            offsets = [0, *itertools.accumulate(sizes)]
-            def rows(group: list[int]) -> torch.Tensor:
-                return torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in group])
-            def pick(group: list[int], values: Sequence[int]) -> list[int]:
-                return [values[i] for i in group]
-            return (
-                batch_layout(pick(others, slots), pick(others, starts), pick(others, sizes), device, rows(others),
-                             minimum=2, slot_count=slot_count),
-                batch_layout([slots[longest]], [starts[longest]], [sizes[longest]], device, rows([longest])),
-            )
-    return (batch_layout(slots, starts, sizes, device),)
+    longest = max(range(len(sizes)), key=sizes.__getitem__)
+    others = [i for i in range(len(sizes)) if i != longest]
+    if not others or sizes[longest] < APART_RATIO * max(sizes[i] for i in others) or sum(sizes[i] for i in others) < 2:
+        return (batch_layout(slots, starts, sizes, device),)
+    offsets = [0, *itertools.accumulate(sizes)]
+    rows = [torch.arange(offsets[i], offsets[i + 1]) for i in range(len(sizes))]
+    return (
+        batch_layout([slots[i] for i in others], [starts[i] for i in others], [sizes[i] for i in others], device,
+                     torch.cat([rows[i] for i in others]), minimum=2, slot_count=slot_count),
+        batch_layout([slots[longest]], [starts[longest]], [sizes[longest]], device, rows[longest]),
+    )
 
 
 def padded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: BatchLayout,
