@@ -1,7 +1,8 @@
 """The DSpark drafter's compiled round (`dspark.drafters.compiled_block`, `--compile`): it drafts what the eager
-round drafts (greedy chain, confidences; sampled requests from its block with the eager head), two graphs whatever
-the contexts, lengths or capacities, keeps greedy speculative decoding identical to vanilla decoding, and falls back
-to the eager round when compiling fails. One tiny drafter per module: compiling is the slow part."""
+round drafts (greedy chain, confidences; sampled requests from its block with the eager head), one request's round
+projects its committed positions into its cache as the eager flush does, three graphs whatever the contexts, lengths,
+capacities or positions absorbed, keeps greedy speculative decoding identical to vanilla decoding, and falls back to
+the eager round when compiling fails. One tiny drafter per module: compiling is the slow part."""
 
 import shutil
 
@@ -93,16 +94,59 @@ def test_greedy_speculative_decoding_with_the_compiled_round_is_vanilla_decoding
     assert generate(wrapped, 5) == generate(eager, 0)
 
 
-def test_warm_up_compiles_both_graphs(target):
-    """A server warms the drafter up before it listens: afterwards no round compiles."""
+def test_one_requests_round_absorbs_its_committed_positions_as_the_eager_flush_does(target, drafters, monkeypatch):
+    """At one request the graph projects the positions committed since the last draft into the cache itself (the
+    first round's whole prompt into an empty cache, then one position, given twice at one place, and several):
+    the drafts, the cache's keys, values and length, and the last context equal the eager round's."""
+    eager, compiled = drafters
+    greedy = SamplingParams()
+    flushed = []  # rounds that projected eagerly: the compiled drafter's must not
+    project = eager.model.extend_contexts
+    monkeypatch.setattr(eager.model, "extend_contexts", lambda *args: flushed.append(1) or project(*args))
+    ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(4))
+    hidden = features(target, ids[None])[0]
+    states = {d: d.start(ids[:20], hidden[:20]) for d in (eager, compiled)}
+    length = 20
+    for step in (0, 1, 3, 6):  # positions committed since the last round (none in the first: the prompt waits)
+        if step:
+            for drafter, state in states.items():
+                drafter.commit(state, hidden[length : length + step])
+            length += step
+        context = ids[: length + 1]
+        want = eager.propose_batch([states[eager]], [context], [5], [greedy], [None])[0]
+        before = len(flushed)
+        got = compiled.propose_batch([states[compiled]], [context], [5], [greedy], [None])[0]
+        assert len(flushed) == before > 0  # the eager round projected; the compiled one did in its graph
+        assert torch.equal(want.tokens, got.tokens)
+        torch.testing.assert_close(got.confidence, want.confidence, atol=1e-5, rtol=1e-5)
+        a, b = states[eager], states[compiled]
+        assert a.cache.length == b.cache.length == length and a.num_pending == b.num_pending == 0
+        torch.testing.assert_close(b.cache.last_context, a.cache.last_context, atol=1e-5, rtol=1e-5)
+        for x, y in zip(a.cache.keys + a.cache.values, b.cache.keys + b.cache.values, strict=True):
+            torch.testing.assert_close(y[:, :, :length], x[:, :, :length], atol=1e-5, rtol=1e-5)
+            assert (y[:, :, length:] == 0).all()  # nothing written past the length
+    assert compiled.block.failed is None
+
+
+def test_warm_up_compiles_every_graph(target):
+    """A server warms the drafter up before it listens: afterwards no round compiles, whether one request absorbs
+    one committed position, several, a whole prompt or none, or several requests draft together."""
     model = make_model(target, "vanilla", block_size=4, seed=8)
     drafter = DSparkDrafter(model).compiled()
     assert DSparkDrafter(model).warm_up() == 0  # not compiled: nothing to do
-    assert drafter.warm_up() == 2
+    assert drafter.warm_up() == 3
     before = counters["stats"]["unique_graphs"]
+    greedy = SamplingParams()
     for lengths in ((15,), (80, 3), (7, 30, 66)):
         ids, states = contexts_and_states(target, drafter, lengths, seed=sum(lengths))
-        drafter.propose_batch(states, ids, [4] * len(ids), [SamplingParams()] * len(ids), [None] * len(ids))
+        drafter.propose_batch(states, ids, [4] * len(ids), [greedy] * len(ids), [None] * len(ids))
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(9))
+    hidden = features(target, ids[None])[0]
+    state, length = drafter.start(ids[:12], hidden[:12]), 12
+    for step in (0, 1, 0, 2, 5):
+        drafter.commit(state, hidden[length : length + step])
+        length += step
+        drafter.propose_batch([state], [ids[: length + 1]], [4], [greedy], [None])
     assert counters["stats"]["unique_graphs"] == before and drafter.block.failed is None
 
 

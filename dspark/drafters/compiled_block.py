@@ -8,9 +8,13 @@ packs for oneDNN itself) the round drafts in about two thirds of the time (docs/
 
 Every shape is a dimension, never a value: the context K/V go in as the caches' whole buffers (one request) or
 padded to the longest (several) with a boolean mask, so a context's length and a cache's capacity are no guards.
-Two graphs: one request or more (dynamic shapes specialise size 1). The graph computes every block position; a
-request drafting fewer keeps a prefix. Sampled requests draw from its hidden states and base logits with the eager
-sequential head (`DSparkDrafter`), so q stays exactly the distribution each token was drawn from.
+One request's round also projects the positions committed since its last draft into its cache buffers, in the graph
+(several requests' are projected eagerly, in one batched pass, before theirs). Three graphs: one request absorbing
+committed positions (one position goes in twice, at the same place: dynamic shapes specialise size 1), one request
+with none to absorb (its features were projected when too many waited), several requests. The graph computes every
+block position; a request drafting fewer keeps a prefix. Sampled requests draw from its hidden states and base
+logits with the eager sequential head (`DSparkDrafter`), so q stays exactly the distribution each token was drawn
+from.
 """
 
 import torch
@@ -37,11 +41,28 @@ class CompiledBlock(nn.Module):
         self.head_bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, anchors: torch.Tensor, last_context: torch.Tensor | None, positions: torch.Tensor,
-                keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> tuple:
+                keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor,
+                pending: torch.Tensor | None = None, pending_positions: torch.Tensor | None = None) -> tuple:
         """For the blocks after anchors (R,) at positions (R, γ), over context K/V per draft layer (R, H, L, hd) that
         mask (R, 1, 1, L + γ) selects: hidden (R, γ, D), base logits (R, γ, Vd), the greedy draft (R, γ) in
-        target ids and its confidence logits (R, γ) (None without a confidence head)."""
+        target ids, its confidence logits (R, γ) (None without a confidence head) and the projected context of the
+        last absorbed position (D,) or None.
+
+        `pending` (n, F) (one request): target features of positions committed since its last draft, projected and
+        written into its cache buffers at `pending_positions` (n,) here, before the block reads them, instead of by
+        an eager `extend_contexts` (a sixth of a drafting round at one request, session 31); `last_context` then
+        comes from them."""
         model = self.model
+        absorbed = None
+        if pending is not None:
+            context = model.project_context(pending[None])  # (1, n, D)
+            cos, sin = model.rope(pending_positions[None])
+            for index, layer in enumerate(model.layers):
+                k, v = layer.self_attn.kv(context, cos, sin)  # (1, H_kv, n, hd)
+                keys[index][:, :, pending_positions] = k
+                values[index][:, :, pending_positions] = v
+            absorbed = context[0, -1]
+            last_context = absorbed[None]
         x = model.block_input(anchors, last_context)
         hidden = model.block_hidden(x, positions, list(zip(keys, values, strict=True)), mask)
         base_logits = F.linear(hidden.to(self.head_weight.dtype), self.head_weight, self.head_bias)
@@ -57,13 +78,15 @@ class CompiledBlock(nn.Module):
             prev = model.to_target_ids(logits.argmax(-1))
             tokens.append(prev)
         confidence_logits = model.confidence_logits(hidden, torch.stack(previous, 1))
-        return hidden, base_logits, torch.stack(tokens, 1), confidence_logits
+        return hidden, base_logits, torch.stack(tokens, 1), confidence_logits, absorbed
 
 
-def block_context(caches: list[ContextCache], num_layers: int, block_size: int) -> tuple:
+def block_context(caches: list[ContextCache], num_layers: int, block_size: int,
+                  lengths: list[int] | None = None) -> tuple:
     """Keys and values per draft layer and the mask of `caches`' blocks: one request's whole buffers (no slice:
-    its length would be a guard), several requests' padded to the longest."""
-    lengths = torch.tensor([cache.length for cache in caches])
+    its length would be a guard), several requests' padded to the longest. `lengths`: the positions each block
+    sees (default the caches' lengths; more where the round writes the positions it absorbs first)."""
+    lengths = torch.tensor([cache.length for cache in caches] if lengths is None else lengths)
     if len(caches) == 1:
         keys, values = caches[0].keys, caches[0].values
     else:

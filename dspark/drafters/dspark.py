@@ -112,14 +112,23 @@ class ContextCache:
             return None
         return self.keys[index][:, :, : self.length], self.values[index][:, :, : self.length]
 
+    def reserve(self, end: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device | str) -> None:
+        """Room for `end` positions (grown by doubling; a first call allocates): a compiled round writes the
+        positions it absorbs into the buffers itself."""
+        if end <= self.capacity:
+            return
+        capacity = max(end, 2 * self.capacity, 64)
+        if not self.keys:
+            empty = torch.zeros(1, num_kv_heads, 0, head_dim, dtype=dtype, device=device)
+            self.keys, self.values = [empty] * num_layers, [empty] * num_layers
+        self.keys = [_resized(buf, capacity, self.length) for buf in self.keys]
+        self.values = [_resized(buf, capacity, self.length) for buf in self.values]
+
     def append(self, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        end = self.length + kvs[0][0].shape[2]
-        if end > self.capacity:
-            capacity = max(end, 2 * self.capacity, 64)
-            keys = self.keys or [k for k, _ in kvs]  # first append: shapes and dtype from the new K/V
-            values = self.values or [v for _, v in kvs]
-            self.keys = [_resized(buf, capacity, self.length) for buf in keys]
-            self.values = [_resized(buf, capacity, self.length) for buf in values]
+        first = kvs[0][0]  # (1, H_kv, n, hd)
+        end = self.length + first.shape[2]
+        self.reserve(end, len(kvs), first.shape[1], first.shape[3], first.dtype, first.device)
         for i, (k, v) in enumerate(kvs):
             self.keys[i][:, :, self.length : end] = k
             self.values[i][:, :, self.length : end] = v

@@ -64,15 +64,16 @@ class DSparkDrafter(Drafter):
 
     @torch.inference_mode()
     def warm_up(self) -> int:
-        """Compile both graphs of the compiled round (one request, several) on made-up contexts; returns how many
-        rounds ran compiled (0 where this drafter is not compiled)."""
+        """Compile the three graphs of the compiled round (one request absorbing committed positions, one with
+        none to absorb, several) on made-up contexts; returns how many rounds ran compiled (0 where this drafter is
+        not compiled)."""
         if self.block is None:
             return 0
         features = torch.randn(40, self.config.feature_size, generator=torch.Generator().manual_seed(0))
         states = [self.start(torch.zeros(n + 1, dtype=torch.long), features[:n]) for n in (20, 33)]
         contexts = [torch.zeros(n + 1, dtype=torch.long) for n in (20, 33)]
         ran = 0
-        for count in (1, 2):
+        for count in (1, 1, 2):  # the first round absorbs its prompt, the second finds none left
             self.propose_batch(states[:count], contexts[:count], [self.config.block_size] * count,
                                [SamplingParams()] * count, [None] * count)
             ran += self.block.failed is None
@@ -140,19 +141,20 @@ class DSparkDrafter(Drafter):
         drafts = [Draft.empty(model.device) for _ in states]
         if not live:
             return drafts
-        self.flush([states[i] for i in live])
         for i in live:
-            if states[i].cache.length != contexts[i].shape[0] - 1:
+            held = states[i].cache.length + states[i].num_pending
+            if held != contexts[i].shape[0] - 1:
                 raise RuntimeError(
-                    f"draft cache holds {states[i].cache.length} positions but the context before the anchor has "
+                    f"draft cache holds {held} positions but the context before the anchor has "
                     f"{contexts[i].shape[0] - 1}: commit the features of every position that entered the target cache"
                 )
         anchors = torch.stack([contexts[i][-1] for i in live]).to(model.device)
+        compiled = self._compiled_round([states[i] for i in live], anchors)
+        self.flush([states[i] for i in live])  # the eager round's (nothing left where the compiled round absorbed)
         caches = [states[i].cache for i in live]
         longest = max(counts[i] for i in live)
-        compiled = self._compiled_round(caches, anchors)
         if compiled is not None and all(samplings[i].greedy for i in live):  # the graph's own argmax chain
-            _, _, tokens, confidence_logits = compiled
+            _, _, tokens, confidence_logits, _ = compiled
             tokens, q = tokens[:, :longest], [[] for _ in live]
         else:
             hidden, base_logits = compiled[:2] if compiled is not None else model.draft_blocks(caches, anchors)
@@ -168,19 +170,41 @@ class DSparkDrafter(Drafter):
                               None if confidence is None else confidence[row, :n])
         return drafts
 
-    def _compiled_round(self, caches: list[ContextCache], anchors: torch.Tensor) -> tuple | None:
+    def _compiled_round(self, states: list[DSparkState], anchors: torch.Tensor) -> tuple | None:
         """The compiled block's (hidden, base logits, greedy draft, its confidence logits), or None: not compiled,
-        a request with no context yet, or the compile failed (said once; the eager forward then drafts)."""
-        if self.block is None or not all(cache.length for cache in caches):
+        a request with no context yet, or the compile failed (said once; the eager forward then drafts). One request
+        absorbs its pending positions in the graph; several are flushed eagerly first, in one batched pass."""
+        if self.block is None:
             return None
-        model = self.model
-        keys, values, mask = block_context(caches, len(model.layers), self.config.block_size)
-        lengths = torch.tensor([cache.length for cache in caches], device=model.device)
-        positions = lengths[:, None] + torch.arange(self.config.block_size, device=model.device)
+        model, config = self.model, self.config
+        pending = positions = None
+        if len(states) == 1 and states[0].num_pending:
+            cache = states[0].cache
+            pending = torch.cat(states[0].pending).to(model.device)
+            positions = cache.length + torch.arange(pending.shape[0], device=model.device)
+            if pending.shape[0] == 1:  # twice at the same place: a size of 1 would be a graph of its own
+                pending, positions = pending.repeat(2, 1), positions.repeat(2)
+            cache.reserve(cache.length + states[0].num_pending, len(model.layers), config.num_key_value_heads,
+                          config.head_dim, model.dtype, model.device)
+        else:
+            self.flush(states)
+        caches = [state.cache for state in states]
+        if not all(cache.length for cache in caches) and pending is None:
+            return None
+        lengths = [cache.length + state.num_pending for cache, state in zip(caches, states, strict=True)]
+        keys, values, mask = block_context(caches, len(model.layers), config.block_size, lengths)
+        starts = torch.tensor(lengths, device=model.device)
+        block_positions = starts[:, None] + torch.arange(config.block_size, device=model.device)
         last_context = None
-        if model.last_context_proj is not None:
+        if model.last_context_proj is not None and pending is None:
             last_context = torch.stack([cache.last_context for cache in caches])
-        return self.block(anchors, last_context, positions, keys, values, mask)
+        result = self.block(anchors, last_context, block_positions, keys, values, mask, pending, positions)
+        if result is None or pending is None:
+            return result
+        cache, state = caches[0], states[0]  # the graph wrote the pending positions: take them in
+        cache.length, cache.last_context = lengths[0], result[4]
+        state.pending, state.num_pending = [], 0
+        return result
 
     def _sequential(self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.Tensor, counts: list[int],
                     samplings: list[SamplingParams], generators: list) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
