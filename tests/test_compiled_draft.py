@@ -143,8 +143,8 @@ def test_warm_up_compiles_every_graph(target):
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(9))
     hidden = features(target, ids[None])[0]
     state, length = drafter.start(ids[:12], hidden[:12]), 12
-    for step in (0, 1, 0, 2, 5):
-        drafter.commit(state, hidden[length : length + step])
+    for step in (0, 1, 0, 2, 5):  # the last ones from a target of another dtype (warm_up's features are float32)
+        drafter.commit(state, hidden[length : length + step].to(torch.bfloat16 if step > 1 else hidden.dtype))
         length += step
         drafter.propose_batch([state], [ids[: length + 1]], [4], [greedy], [None])
     assert counters["stats"]["unique_graphs"] == before and drafter.block.failed is None

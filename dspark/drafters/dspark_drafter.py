@@ -180,7 +180,9 @@ class DSparkDrafter(Drafter):
         pending = positions = None
         if len(states) == 1 and states[0].num_pending:
             cache = states[0].cache
-            pending = torch.cat(states[0].pending).to(model.device)
+            # in the drafter's dtype, as the projection would cast them anyway: a target of another dtype (its
+            # features) would otherwise be a graph of its own, compiled in the first round rather than by `warm_up`
+            pending = torch.cat(states[0].pending).to(model.device, model.dtype)
             positions = cache.length + torch.arange(pending.shape[0], device=model.device)
             if pending.shape[0] == 1:  # twice at the same place: a size of 1 would be a graph of its own
                 pending, positions = pending.repeat(2, 1), positions.repeat(2)
