@@ -38,16 +38,24 @@ class LayersAndHead(CompiledBlock):
         return hidden, F.linear(hidden.to(self.head_weight.dtype), self.head_weight, self.head_bias)
 
 
-def main(repeats: int = 40) -> None:
+def one_request(compile: bool = False) -> tuple:
+    """The default target and drafter (both compiled or both eager) with one request of a random 256-token prompt
+    prefilled and projected into the draft cache: (drafter, backend, slot, prompt, hidden, state, generator)."""
     loaded = load_target("default", "auto")
     drafter = load_drafter("default", loaded.model)
-    backend = RaggedBackend(loaded.model, drafter.target_layer_ids, max_slots=1)
+    drafter = drafter.compiled() if compile else drafter
+    backend = RaggedBackend(loaded.model, drafter.target_layer_ids, max_slots=1, compile=compile)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 10_000, (256,), generator=generator)
     slot = backend.allocate()
     hidden = backend.forward([Segment(slot, prompt, "last")])[0].hidden
     state = drafter.start(prompt, hidden)
     drafter.flush([state])
+    return drafter, backend, slot, prompt, hidden, state, generator
+
+
+def main(repeats: int = 40) -> None:
+    drafter, _, _, prompt, hidden, state, _ = one_request()
     model = drafter.model
     cache = state.cache
     anchors = torch.tensor([int(prompt[-1])])

@@ -16,12 +16,11 @@ import time
 import torch
 import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as shape_config
+from probe_draft_block import one_request
 
 from dspark.compiled import INDUCTOR_OPTIONS, CompiledDecode, CompiledRunner
-from dspark.drafters import load_drafter
 from dspark.drafters.compiled_block import CompiledBlock
-from dspark.loading import load_target
-from dspark.ragged import RaggedBackend, Segment
+from dspark.ragged import Segment
 
 
 def variant(module: torch.nn.Module, guard_filter) -> CompiledRunner:
@@ -32,15 +31,7 @@ def variant(module: torch.nn.Module, guard_filter) -> CompiledRunner:
 
 
 def main(repeats: int = 40) -> None:
-    loaded = load_target("default", "auto")
-    drafter = load_drafter("default", loaded.model).compiled()
-    backend = RaggedBackend(loaded.model, drafter.target_layer_ids, max_slots=1, compile=True)
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, 10_000, (256,), generator=generator)
-    slot = backend.allocate()
-    hidden = backend.forward([Segment(slot, prompt, "last")])[0].hidden
-    state = drafter.start(prompt, hidden)
-    drafter.flush([state])
+    drafter, backend, slot, prompt, _, state, generator = one_request(compile=True)
     anchors = torch.tensor([int(prompt[-1])])
     module = CompiledDecode(backend, backend.layer_ids).eval()
     targets = {"default": variant(module, None),
