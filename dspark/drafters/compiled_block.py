@@ -55,10 +55,8 @@ class CompiledBlock(nn.Module):
         model = self.model
         absorbed = None
         if pending is not None:
-            context = model.project_context(pending[None])  # (1, n, D)
-            cos, sin = model.rope(pending_positions[None])
-            for index, layer in enumerate(model.layers):
-                k, v = layer.self_attn.kv(context, cos, sin)  # (1, H_kv, n, hd)
+            context, kvs = model.context_kvs(pending, pending_positions)
+            for index, (k, v) in enumerate(kvs):
                 keys[index][:, :, pending_positions] = k
                 values[index][:, :, pending_positions] = v
             absorbed = context[0, -1]

@@ -364,15 +364,20 @@ class DSparkModel(DraftVocabMixin, nn.Module):
         """Append the K/V of n newly committed positions (features (n, F)) to one request's cache."""
         self.extend_contexts([cache], [features])
 
+    def context_kvs(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """The projected context (1, n, D) of committed features (n, F) at `positions` (n,) and its roped keys and
+        values (1, H_kv, n, hd) per draft layer: what a cache takes in (eagerly here, or in the compiled round)."""
+        context = self.project_context(features[None])
+        cos, sin = self.rope(positions[None])
+        return context, [layer.self_attn.kv(context, cos, sin) for layer in self.layers]
+
     def extend_contexts(self, caches: list[ContextCache], features: list[torch.Tensor]) -> None:
         """Append each request's newly committed positions (features[i] (n_i, F), n_i > 0) to caches[i], all
         requests in one projection: every step is per position, so rows of several requests stack into one
         matrix product per weight instead of one small product per request and weight (~1 ms a request)."""
         sizes = [int(f.shape[0]) for f in features]
         positions = torch.cat([cache.length + torch.arange(n) for cache, n in zip(caches, sizes, strict=True)])
-        context = self.project_context(torch.cat(features).to(self.device)[None])
-        cos, sin = self.rope(positions.to(self.device)[None])
-        kvs = [layer.self_attn.kv(context, cos, sin) for layer in self.layers]
+        context, kvs = self.context_kvs(torch.cat(features).to(self.device), positions.to(self.device))
         start = 0
         for cache, n in zip(caches, sizes, strict=True):
             cache.append([(k[:, :, start : start + n], v[:, :, start : start + n]) for k, v in kvs])

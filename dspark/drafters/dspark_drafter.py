@@ -171,28 +171,21 @@ class DSparkDrafter(Drafter):
         return drafts
 
     def _compiled_round(self, states: list[DSparkState], anchors: torch.Tensor) -> tuple | None:
-        """The compiled block's (hidden, base logits, greedy draft, its confidence logits), or None: not compiled,
-        a request with no context yet, or the compile failed (said once; the eager forward then drafts). One request
-        absorbs its pending positions in the graph; several are flushed eagerly first, in one batched pass."""
+        """The compiled block's (hidden, base logits, greedy draft, its confidence logits, absorbed last context), or
+        None: not compiled, a request with no context yet, or the compile failed (said once; the eager forward then
+        drafts). One request absorbs its pending positions in the graph; several are flushed eagerly first, in one
+        batched pass."""
         if self.block is None:
             return None
         model, config = self.model, self.config
         pending = positions = None
-        if len(states) == 1 and states[0].num_pending:
-            cache = states[0].cache
-            # in the drafter's dtype, as the projection would cast them anyway: a target of another dtype (its
-            # features) would otherwise be a graph of its own, compiled in the first round rather than by `warm_up`
-            pending = torch.cat(states[0].pending).to(model.device, model.dtype)
-            positions = cache.length + torch.arange(pending.shape[0], device=model.device)
-            if pending.shape[0] == 1:  # twice at the same place: a size of 1 would be a graph of its own
-                pending, positions = pending.repeat(2, 1), positions.repeat(2)
-            cache.reserve(cache.length + states[0].num_pending, len(model.layers), config.num_key_value_heads,
-                          config.head_dim, model.dtype, model.device)
+        if len(states) == 1 and states[0].num_pending:  # absorbed in the graph
+            pending, positions = self._pending_input(states[0])
         else:
             self.flush(states)
+            if not all(state.cache.length for state in states):
+                return None
         caches = [state.cache for state in states]
-        if not all(cache.length for cache in caches) and pending is None:
-            return None
         lengths = [cache.length + state.num_pending for cache, state in zip(caches, states, strict=True)]
         keys, values, mask = block_context(caches, len(model.layers), config.block_size, lengths)
         starts = torch.tensor(lengths, device=model.device)
@@ -207,6 +200,19 @@ class DSparkDrafter(Drafter):
         cache.length, cache.last_context = lengths[0], result[4]
         state.pending, state.num_pending = [], 0
         return result
+
+    def _pending_input(self, state: DSparkState) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's pending features and their positions as the compiled round takes them in, with room for them
+        reserved in its cache. In the drafter's dtype, as the projection would cast them anyway: a target of another
+        dtype would otherwise be a graph of its own, compiled in the first round rather than by `warm_up`."""
+        model, config, cache = self.model, self.config, state.cache
+        pending = torch.cat(state.pending).to(model.device, model.dtype)
+        positions = cache.length + torch.arange(pending.shape[0], device=model.device)
+        cache.reserve(cache.length + state.num_pending, len(model.layers), config.num_key_value_heads,
+                      config.head_dim, model.dtype, model.device)
+        if pending.shape[0] == 1:  # twice at the same place: a size of 1 would be a graph of its own
+            return pending.repeat(2, 1), positions.repeat(2)
+        return pending, positions
 
     def _sequential(self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.Tensor, counts: list[int],
                     samplings: list[SamplingParams], generators: list) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
