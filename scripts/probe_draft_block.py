@@ -3,7 +3,8 @@
 Session 31's phase probe put the compiled block at ~4 ms of a drafting round where its weights (~25 MB in bf16) take
 ~1.3 ms to read, and skipping dynamo's nn-module guards saved only ~0.1 ms (`scripts/probe_guards.py`). This
 compiles the block three ways, each a prefix of the last: the draft layers only (hidden), + the draft LM head (base
-logits), + the sequential head's argmax chain and the confidence logits (the whole block), and the eager projection
+logits), + the sequential head's argmax chain and the confidence logits (the whole block; session 32: its chain through
+the transition table, and as before with the rank-r product in every step), and the eager projection
 of one committed position into the context cache (the drafter's `flush`), timed alternately on one request with a
 256-token context, median ms; then torch.profiler's table of one eager block (the ops the graph is made of).
 """
@@ -13,6 +14,7 @@ import sys
 import time
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
@@ -36,6 +38,14 @@ class LayersAndHead(CompiledBlock):
         x = model.block_input(anchors, last_context)
         hidden = model.block_hidden(x, positions, list(zip(keys, values, strict=True)), mask)
         return hidden, F.linear(hidden.to(self.head_weight.dtype), self.head_weight, self.head_bias)
+
+
+class RankChain(CompiledBlock):
+    """The whole block with the rank-r Markov product in every step of the argmax chain (before session 32)."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.transition = None
 
 
 def one_request(compile: bool = False) -> tuple:
@@ -64,7 +74,8 @@ def main(repeats: int = 40) -> None:
     last_context = cache.last_context[None]
     args = (anchors, last_context, positions, keys, values, mask)
     runners = {name: CompiledRunner(cls(model).eval(), name)
-               for name, cls in (("layers", Layers), ("layers+head", LayersAndHead), ("whole block", CompiledBlock))}
+               for name, cls in (("layers", Layers), ("layers+head", LayersAndHead), ("whole block", CompiledBlock),
+                                ("whole block, rank-r chain", RankChain))}
     feature = hidden[-1:]
 
     def flush() -> None:  # one committed position projected, then dropped again (the cache stays as it was)
@@ -73,6 +84,13 @@ def main(repeats: int = 40) -> None:
         cache.length = length
 
     cells = {name: (lambda runner=runner: runner(*args)) for name, runner in runners.items()}
+    planned = CompiledRunner(CompiledBlock(model).eval(), "planned")
+
+    def with_memory_planning():  # inductor's memory planning (one pool, not an allocation per buffer)
+        with inductor_config.patch(memory_planning=True):
+            return planned(*args)
+
+    cells["whole block, memory planning"] = with_memory_planning
     cells["eager flush (1 position)"] = flush
     begin = time.perf_counter()
     with torch.inference_mode():
@@ -88,7 +106,7 @@ def main(repeats: int = 40) -> None:
                 fn()
                 times[name].append(time.perf_counter() - begin)
     for name, values_ in times.items():
-        print(f"{name:26} {1e3 * statistics.median(values_):7.3f} ms")
+        print(f"{name:28} {1e3 * statistics.median(values_):7.3f} ms")
     eager = CompiledBlock(model).eval()
     with torch.inference_mode():
         eager(*args)

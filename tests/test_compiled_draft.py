@@ -12,6 +12,8 @@ from test_dspark_drafter import DRAFT_IDS, VOCAB, features, make_model, tiny_tar
 from torch._dynamo.utils import counters
 
 from dspark.compiled import CompiledRunner
+from dspark.drafters import compiled_block as block_module
+from dspark.drafters.compiled_block import transition_table
 from dspark.drafters.dspark_drafter import DSparkDrafter
 from dspark.drafters.lookup_first import LookupFirstDrafter
 from dspark.engine import Engine, Request
@@ -34,6 +36,14 @@ def drafters(target):
     context input, the paths the graph must carry."""
     model = make_model(target, "rnn", block_size=5, draft_ids=DRAFT_IDS, last_context_input=True)
     eager = DSparkDrafter(model)
+    return eager, eager.compiled()
+
+
+@pytest.fixture(scope="module")
+def vanilla(target):
+    """(eager, compiled) drafters with the default drafter's head: memoryless Markov over a reduced vocabulary, whose
+    compiled greedy chain reads a transition table."""
+    eager = DSparkDrafter(make_model(target, "vanilla", block_size=4, seed=8, draft_ids=DRAFT_IDS))
     return eager, eager.compiled()
 
 
@@ -128,11 +138,44 @@ def test_one_requests_round_absorbs_its_committed_positions_as_the_eager_flush_d
     assert compiled.block.failed is None
 
 
-def test_warm_up_compiles_every_graph(target):
+def test_the_transition_table_holds_the_markov_heads_bias_after_each_draft_id(target):
+    model = make_model(target, "vanilla", draft_ids=DRAFT_IDS)
+    table = transition_table(model)
+    assert table.shape == (len(DRAFT_IDS), len(DRAFT_IDS))
+    for j in (0, 17, len(DRAFT_IDS) - 1):  # row j: the bias after draft id j, i.e. after target id DRAFT_IDS[j]
+        bias, _ = model.markov_head.step(None, DRAFT_IDS[j : j + 1], None)
+        torch.testing.assert_close(table[j], bias[0])
+    assert transition_table(make_model(target, "rnn", draft_ids=DRAFT_IDS)) is None  # stateful: no table
+    assert transition_table(make_model(target, "gated")) is None  # reads the hidden state
+    assert transition_table(make_model(target, None)) is None
+
+
+def test_a_table_over_its_size_limit_keeps_the_rank_r_chain(target, monkeypatch):
+    model = make_model(target, "vanilla")  # full vocabulary: 96 × 96 float32
+    assert transition_table(model) is not None
+    monkeypatch.setattr(block_module, "MAX_TRANSITION_BYTES", VOCAB * VOCAB * 4 - 1)
+    assert transition_table(model) is None
+
+
+def test_the_compiled_chain_through_the_transition_table_drafts_what_the_eager_round_does(target, vanilla):
+    eager, compiled = vanilla
+    assert compiled.block.module.transition is not None and eager.block is None
+    greedy = SamplingParams()
+    for lengths, counts in (((9,), (4,)), ((30, 9, 70), (4, 2, 3)), ((100,), (4,))):
+        ids, states = contexts_and_states(target, eager, lengths, seed=len(lengths) + 20)
+        args = (states, ids, list(counts), [greedy] * len(ids), [None] * len(ids))
+        want, got = eager.propose_batch(*args), compiled.propose_batch(*args)
+        for a, b, n in zip(want, got, counts, strict=True):
+            assert len(b) == n and torch.equal(a.tokens, b.tokens)
+            torch.testing.assert_close(b.confidence, a.confidence, atol=1e-5, rtol=1e-5)
+    assert compiled.block.failed is None
+
+
+def test_warm_up_compiles_every_graph(target, vanilla):
     """A server warms the drafter up before it listens: afterwards no round compiles, whether one request absorbs
     one committed position, several, a whole prompt or none, or several requests draft together."""
-    model = make_model(target, "vanilla", block_size=4, seed=8)
-    drafter = DSparkDrafter(model).compiled()
+    eager, drafter = vanilla
+    model = eager.model
     assert DSparkDrafter(model).warm_up() == 0  # not compiled: nothing to do
     assert drafter.warm_up() == 3
     before = counters["stats"]["unique_graphs"]
