@@ -3,7 +3,8 @@
 `dspark bench load`: throughput under load. For each concurrency level, every policy (no
 speculation, fixed-n, threshold, dspark, dspark-async) serves the same requests through the engine,
 policies interleaved in a rotating order so they share the machine's conditions. Reports aggregate
-tokens/s, per-user tokens/s and the verification budget (drafts verified per request per round).
+tokens/s, per-user tokens/s, the median time from admission to first token (prefill: what separates the gate's
+measured rounds from a whole run) and the verification budget (drafts verified per request per round).
 
 `dspark bench ragged`: the two attention layouts of the ragged forward, side by side.
 """
@@ -69,10 +70,12 @@ def run_level(loaded, drafter, prompts: list[torch.Tensor], policy: str, concurr
     wall = time.perf_counter() - start
     tokens = sum(len(r.output_ids) for r in requests)
     per_user = statistics.mean(len(r.output_ids) / r.stats.total_time for r in requests if r.stats.total_time > 0)
+    first_token = statistics.median(r.stats.prefill_time for r in requests)
     stats = engine.stats
     return {
         "throughput": tokens / wall,
         "per_user": per_user,
+        "first_token_ms": 1e3 * first_token,  # admission to first token: prefill (and what it waits for in the round)
         "budget": stats.verified_per_request,  # the JSON key stays
         "tau": stats.tau,
         "scheduler_share": stats.scheduler_time / stats.round_time if stats.round_time else 0.0,
@@ -81,10 +84,10 @@ def run_level(loaded, drafter, prompts: list[torch.Tensor], policy: str, concurr
 
 
 def _median_pass(rows: list[dict]) -> dict:
-    """A policy's passes at one level: the median throughput and per-user speed (timings are noisy on a shared
-    machine), the rest from the first pass (greedy outputs and counts repeat)."""
-    return {**rows[0], "throughput": statistics.median(r["throughput"] for r in rows),
-            "per_user": statistics.median(r["per_user"] for r in rows)}
+    """A policy's passes at one level: the median throughput, per-user speed and time to first token (timings are
+    noisy on a shared machine), the rest from the first pass (greedy outputs and counts repeat)."""
+    return {**rows[0], **{key: statistics.median(r[key] for r in rows)
+                          for key in ("throughput", "per_user", "first_token_ms")}}
 
 
 def run_load_bench(args: argparse.Namespace) -> dict:
@@ -105,8 +108,9 @@ def run_load_bench(args: argparse.Namespace) -> dict:
     if any(plans_drafting(name) for name in names) and block_size > 0:  # drafting cost, once for all levels
         sps = RoundCost(sps.verify, draft_cost(loaded, drafter, args.max_concurrency, block_size))
 
-    results: dict[str, dict[str, list]] = {p: {"throughput": [], "per_user": [], "budget": [], "tau": [],
-                                               "scheduler_share": [], "identical_to_none": []} for p in policies}
+    results: dict[str, dict[str, list]] = {p: {"throughput": [], "per_user": [], "first_token_ms": [],
+                                               "budget": [], "tau": [], "scheduler_share": [],
+                                               "identical_to_none": []} for p in policies}
     gates = {p: policy_gate(p, block_size) for p in policies}
     trace = open(args.gate_trace, "w") if args.gate_trace else None  # written pass by pass, closed below
     if trace is not None:
@@ -130,7 +134,7 @@ def run_load_bench(args: argparse.Namespace) -> dict:
         reference = measured.get("none", measured[policies[0]])["outputs"]
         for policy in policies:
             row = measured[policy]
-            for key in ("throughput", "per_user", "budget", "tau", "scheduler_share"):
+            for key in ("throughput", "per_user", "first_token_ms", "budget", "tau", "scheduler_share"):
                 results[policy][key].append(round(row[key], 4))
             same = sum(a == b for a, b in zip(row["outputs"], reference, strict=True)) / len(reference)
             results[policy]["identical_to_none"].append(round(same, 4))

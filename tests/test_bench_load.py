@@ -26,6 +26,8 @@ def test_bench_load_sweeps_policies_and_concurrency(tiny_on_disk, tmp_path, monk
     for row in report["policies"].values():
         assert len(row["throughput"]) == len(row["per_user"]) == len(row["budget"]) == 3
         assert all(t > 0 for t in row["throughput"])
+        # a request's first token comes after its admission and before its pass of 3 x 6 tokens ends
+        assert all(0 < ms < 1e3 * 18 / t for ms, t in zip(row["first_token_ms"], row["throughput"], strict=True))
     assert report["policies"]["none"]["budget"] == [0.0, 0.0, 0.0]
     assert all(0 < b <= 3 for b in report["policies"]["fixed-3"]["budget"])
     assert len(report["dspark_vs_best_fixed"]) == 3
