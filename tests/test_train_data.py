@@ -23,6 +23,8 @@ from dspark.train.prompt_sources import (
     sharegpt_prompts,
 )
 from dspark.train.regenerate import SamplingConfig, completed_ids, regenerate
+from dspark.train.writing_prompts import CLEAN_SENTENCES, writing_prompts
+from dspark.train.writing_prompts import TEMPLATES as WRITING_TEMPLATES
 
 
 def conversation(i: int, first: str = "human", text: str | None = None) -> dict:
@@ -118,6 +120,29 @@ def test_build_prompts_mixes_maths_and_code_tasks_and_excludes_eval_matches(tmp_
     assert taken not in {p.messages[0]["content"] for p in prompts}
     sources = [p.source for p in prompts]
     assert sources.count("math") == 30 and sources.count("code-task") == 5
+
+
+def test_writing_prompts_are_a_finite_seeded_pool_over_every_template():
+    pool = list(writing_prompts(seed=3, per_template=4))
+    assert len(pool) == 4 * len(WRITING_TEMPLATES) and len({p.id for p in pool}) == len(pool)
+    assert [p.to_json() for p in pool] == [p.to_json() for p in writing_prompts(seed=3, per_template=4)]
+    assert [p.to_json() for p in pool] != [p.to_json() for p in writing_prompts(seed=4, per_template=4)]
+    assert {p.id.split("/")[1] for p in pool} == set(WRITING_TEMPLATES)
+    texts = [p.messages[0]["content"] for p in pool]
+    assert all(p.source == "writing" and p.messages[0]["role"] == "user" for p in pool)
+    assert all(text.strip() and "{" not in text and "}" not in text for text in texts)  # every field filled in
+    clean = {" ".join(pair) for pair in itertools.permutations(CLEAN_SENTENCES, 2)}
+    proofread = [p.messages[0]["content"] for p in pool if p.id.split("/")[1] == "proofread"]
+    assert proofread and all(text.split("\n", 1)[1] not in clean for text in proofread)  # mistakes put in
+
+
+def test_build_prompts_takes_writing_requests_and_excludes_eval_matches(tmp_path):
+    taken = next(iter(writing_prompts(seed=0))).messages[0]["content"]
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", [{"turns": [taken]}])
+    prompts, report = build_prompts(writing=40, exclude=[eval_file])
+    assert report.sources["writing"].kept == 40 and report.sources["writing"].excluded == 1
+    assert taken not in {p.messages[0]["content"] for p in prompts}
+    assert len({p.messages[0]["content"] for p in prompts}) == 40  # repeated draws are dropped
 
 
 def test_dedup_on_normalised_text():
@@ -222,6 +247,9 @@ def test_cli_prompts(tmp_path, capsys):
     assert "1 dropped as evaluation matches" in capsys.readouterr().err
     with pytest.raises(DsparkError, match="no prompt source"):
         run_cli(["data", "prompts", "--out", str(out)])
+    run_cli(["data", "prompts", "--writing", "12", "--exclude", eval_file, "--out", str(out)])
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(written) == 12 and {row["source"] for row in written} == {"writing"}
 
 
 # ---------------------------------------------------------------- regeneration with a tiny random model

@@ -32,6 +32,8 @@ def add_data_parser(subparsers) -> None:
     prompts.add_argument("--code-tasks", type=_count, default=0,
                          help="number of function-writing tasks from documented standard-library functions")
     prompts.add_argument("--math", type=_count, default=0, help="number of synthetic maths questions (templates)")
+    prompts.add_argument("--writing", type=_count, default=0,
+                         help="number of synthetic writing and role-play requests (templates)")
     prompts.add_argument("--jsonl", action="extend", nargs="+", default=[], metavar="FILE",
                          help='user prompts, one {"turns": [...]} or {"messages": [...]} per line (repeatable)')
     prompts.add_argument("--exclude", action="extend", nargs="+", default=[], metavar="FILE",
@@ -92,7 +94,7 @@ def run_prompts(args: argparse.Namespace) -> None:
     from dspark.train.prompt_sources import build_prompts
 
     prompts, report = build_prompts(sharegpt=args.sharegpt, code=args.code, code_tasks=args.code_tasks,
-                                    maths=args.math, jsonl=args.jsonl,
+                                    maths=args.math, writing=args.writing, jsonl=args.jsonl,
                                     exclude=args.exclude, seed=args.seed, max_chars=args.max_chars)
     write_prompts(args.out, prompts)
     print(f"[dspark] {report.summary()}", file=sys.stderr)
