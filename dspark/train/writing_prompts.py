@@ -11,6 +11,7 @@ an evaluation set.
 """
 
 import random
+import string
 from collections.abc import Callable, Iterator
 
 from dspark.train.data import Prompt
@@ -156,79 +157,64 @@ REWRITE_STYLES = ("more formal", "friendlier", "more concise", "more persuasive"
                   "more polite")
 
 
-def _pick(rng: random.Random, items):
-    return rng.choice(items)
+#: the choices each {slot} of a form below is filled from, in the slot's order of appearance
+SLOTS = {
+    "tone": TONES, "topic": TOPICS, "length": LENGTHS, "product": PRODUCTS, "recipient": RECIPIENTS,
+    "purpose": EMAIL_PURPOSES, "story_seed": STORY_SEEDS, "place": PLACES, "poem_form": POEM_FORMS,
+    "poem_subject": POEM_SUBJECTS, "occasion": OCCASIONS, "reviewed": REVIEWED, "announcement": ANNOUNCEMENTS,
+    "trait": TRAITS, "concept": CONCEPTS, "audience": AUDIENCES, "viewpoint": VIEWPOINTS,
+    "rewrite_style": REWRITE_STYLES, "sentence": CLEAN_SENTENCES,
+    "blog_verb": ("Write", "Compose", "Draft"),
+    "email_close": ("", " Keep it short.", " Use a clear subject line.", " End with a call to action."),
+    "story_kind": ("a short story", "the opening paragraph of a story", "a bedtime story", "a one-page story"),
+    "description_close": ("", ", in the present tense", ", in about 150 words"),
+    "review_kind": ("balanced", "glowing", "critical", "funny"),
+    "post_kind": ("a social media post", "a short newsletter item", "a tweet-length post", "a flyer"),
+    "character_close": ("", ", in one paragraph", ", in about 120 words"),
+    "viewpoint_request": ("Describe an ordinary day in your life.", "How do you feel about the people around you?",
+                          "Tell the story of the most surprising thing that ever happened to you."),
+}
+FORMS = {
+    "blog_post": "{blog_verb} a {tone} blog post about {topic}{length}.",
+    "email": "Write a {tone} email to {recipient} {purpose}.{email_close}",
+    "story": "Write {story_kind} about {story_seed}{length}.",
+    "poem": "Write a {poem_form} about {poem_subject}.",
+    "description": "Describe {place} so that the reader can almost see and hear it{description_close}.",
+    "product": "Write a {tone} product description for {product}{length}.",
+    "speech": "Write a short {tone} speech for {occasion}.",
+    "review": "Write a {review_kind} review of {reviewed}.",
+    "social_post": "Write {post_kind} announcing {announcement}.",
+    "character": "Describe a memorable character who {trait}, using vivid imagery{character_close}.",
+    "explain": "Explain {concept} to {audience} in simple terms.",
+    "viewpoint": "Imagine you are {viewpoint}. {viewpoint_request}",
+    "rewrite": 'Rewrite this sentence to make it {rewrite_style}: "{sentence}"',
+}
+
+Template = Callable[[random.Random], str]
 
 
-def blog_post(rng):
-    verb = _pick(rng, ("Write", "Compose", "Draft"))
-    return f"{verb} a {_pick(rng, TONES)} blog post about {_pick(rng, TOPICS)}{_pick(rng, LENGTHS)}."
+def filled(form: str) -> Template:
+    """The template that fills `form`'s slots from SLOTS, one seeded choice each, left to right."""
+    names = [name for _, name, _, _ in string.Formatter().parse(form) if name]
+
+    def fill(rng: random.Random) -> str:
+        return form.format(**{name: rng.choice(SLOTS[name]) for name in names})
+
+    return fill
 
 
 def outline(rng):
-    return (f"Create an outline for an article about {_pick(rng, TOPICS)}, with a title, section headings and "
+    return (f"Create an outline for an article about {rng.choice(TOPICS)}, with a title, section headings and "
             f"{rng.randint(2, 4)} key points under each heading.")
 
 
-def email(rng):
-    return (f"Write a {_pick(rng, TONES)} email to {_pick(rng, RECIPIENTS)} {_pick(rng, EMAIL_PURPOSES)}."
-            f"{_pick(rng, ('', ' Keep it short.', ' Use a clear subject line.', ' End with a call to action.'))}")
-
-
-def story(rng):
-    kind = _pick(rng, ("a short story", "the opening paragraph of a story", "a bedtime story", "a one-page story"))
-    return f"Write {kind} about {_pick(rng, STORY_SEEDS)}{_pick(rng, LENGTHS)}."
-
-
-def poem(rng):
-    return f"Write a {_pick(rng, POEM_FORMS)} about {_pick(rng, POEM_SUBJECTS)}."
-
-
-def description(rng):
-    return (f"Describe {_pick(rng, PLACES)} so that the reader can almost see and hear it"
-            f"{_pick(rng, ('', ', in the present tense', ', in about 150 words'))}.")
-
-
-def product(rng):
-    return f"Write a {_pick(rng, TONES)} product description for {_pick(rng, PRODUCTS)}{_pick(rng, LENGTHS)}."
-
-
-def speech(rng):
-    return f"Write a short {_pick(rng, TONES)} speech for {_pick(rng, OCCASIONS)}."
-
-
-def review(rng):
-    return f"Write a {_pick(rng, ('balanced', 'glowing', 'critical', 'funny'))} review of {_pick(rng, REVIEWED)}."
-
-
-def social_post(rng):
-    platform = _pick(rng, ("a social media post", "a short newsletter item", "a tweet-length post", "a flyer"))
-    return f"Write {platform} announcing {_pick(rng, ANNOUNCEMENTS)}."
-
-
-def character(rng):
-    return (f"Describe a memorable character who {_pick(rng, TRAITS)}, using vivid imagery"
-            f"{_pick(rng, ('', ', in one paragraph', ', in about 120 words'))}.")
-
-
 def headlines(rng):
-    return f"Suggest {rng.randint(3, 6)} titles for an article about {_pick(rng, TOPICS)}."
-
-
-def explain(rng):
-    return f"Explain {_pick(rng, CONCEPTS)} to {_pick(rng, AUDIENCES)} in simple terms."
+    return f"Suggest {rng.randint(3, 6)} titles for an article about {rng.choice(TOPICS)}."
 
 
 def role_play(rng):
-    role = _pick(rng, tuple(ROLES))
-    return _pick(rng, ROLE_OPENERS).format(role=role) + _pick(rng, ROLES[role] + ANY_ROLE)
-
-
-def viewpoint(rng):
-    thing = _pick(rng, VIEWPOINTS)
-    what = _pick(rng, ("Describe an ordinary day in your life.", "How do you feel about the people around you?",
-                       "Tell the story of the most surprising thing that ever happened to you."))
-    return f"Imagine you are {thing}. {what}"
+    role = rng.choice(tuple(ROLES))
+    return rng.choice(ROLE_OPENERS).format(role=role) + rng.choice(ROLES[role] + ANY_ROLE)
 
 
 def proofread(rng):
@@ -240,14 +226,11 @@ def proofread(rng):
     return f"Proofread this text and fix the mistakes:\n{text}"
 
 
-def rewrite(rng):
-    return f"Rewrite this sentence to make it {_pick(rng, REWRITE_STYLES)}: \"{_pick(rng, CLEAN_SENTENCES)}\""
-
-
-Template = Callable[[random.Random], str]
-TEMPLATES: dict[str, Template] = {f.__name__: f for f in (
-    blog_post, outline, email, story, poem, description, product, speech, review, social_post, character, headlines,
-    explain, role_play, viewpoint, proofread, rewrite,
+_CUSTOM = {f.__name__: f for f in (outline, headlines, role_play, proofread)}
+#: every template, in the order the pool interleaves them
+TEMPLATES: dict[str, Template] = {name: _CUSTOM[name] if name in _CUSTOM else filled(FORMS[name]) for name in (
+    "blog_post", "outline", "email", "story", "poem", "description", "product", "speech", "review", "social_post",
+    "character", "headlines", "explain", "role_play", "viewpoint", "proofread", "rewrite",
 )}
 
 
