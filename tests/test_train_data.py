@@ -11,6 +11,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from dspark.errors import DsparkError
+from dspark.train.advanced_math_prompts import TEMPLATES as ADVANCED_TEMPLATES
+from dspark.train.advanced_math_prompts import _linear, _poly, advanced_math_prompts
 from dspark.train.cli_data import add_data_parser
 from dspark.train.data import DataError, EvalIndex, Prompt, select_prompts
 from dspark.train.math_prompts import STEP_BY_STEP, TEMPLATES, math_prompts
@@ -120,6 +122,39 @@ def test_build_prompts_mixes_maths_and_code_tasks_and_excludes_eval_matches(tmp_
     assert taken not in {p.messages[0]["content"] for p in prompts}
     sources = [p.source for p in prompts]
     assert sources.count("math") == 30 and sources.count("code-task") == 5
+
+
+def test_advanced_math_prompts_are_a_seeded_pool_whose_prompts_depend_only_on_their_ids():
+    pool = list(advanced_math_prompts(seed=3, per_template=5))
+    assert len(pool) == 5 * len(ADVANCED_TEMPLATES) and len({p.id for p in pool}) == len(pool)
+    assert [p.to_json() for p in pool] == [p.to_json() for p in advanced_math_prompts(seed=3, per_template=5)]
+    assert {p.id.split("/")[1] for p in pool} == set(ADVANCED_TEMPLATES)
+    assert all(p.source == "math-advanced" and p.id.startswith("math-advanced/") for p in pool)
+    texts = [p.messages[0]["content"] for p in pool]
+    in_latex = sum("$" in text or "\\[" in text for text in texts)
+    assert in_latex > 0.8 * len(texts)  # set in LaTeX as competition problems are; word problems stay plain
+    assert any("\\[" in text for text in texts) and any("[asy]" in text for text in texts)
+    # a larger pool adds prompts without changing the ones already drawn (the corpus keeps only ids)
+    larger = {p.id: p.messages[0]["content"] for p in advanced_math_prompts(seed=3, per_template=9)}
+    assert all(larger[p.id] == p.messages[0]["content"] for p in pool)
+    assert {p.id: p for p in advanced_math_prompts(seed=4, per_template=5)}.keys().isdisjoint(larger)
+
+
+def test_polynomials_are_written_as_a_person_would():
+    assert _poly([2, 0, -3, 1]) == "2x^3 - 3x + 1"
+    assert _poly([-1, 1, 0]) == "-x^2 + x"
+    assert _poly([0, 0, 5]) == "5" and _poly([0, 0]) == "0"
+    assert _poly([1] + [0] * 10, "t") == "t^{10}"
+    assert _linear((-1, 2, 0)) == "-x + 2y" and _linear((3, -1, 1)) == "3x - y + z" and _linear((0, 0, 0)) == "0"
+
+
+def test_build_prompts_takes_advanced_maths_and_excludes_eval_matches(tmp_path):
+    taken = next(iter(advanced_math_prompts(seed=0))).messages[0]["content"]
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", [{"turns": [taken]}])
+    prompts, report = build_prompts(maths=5, advanced_maths=20, exclude=[eval_file])
+    assert report.sources["math-advanced"].kept == 20 and report.sources["math-advanced"].excluded == 1
+    assert taken not in {p.messages[0]["content"] for p in prompts}
+    assert [p.source for p in prompts].count("math-advanced") == 20
 
 
 def test_writing_prompts_are_a_finite_seeded_pool_over_every_template():
@@ -250,6 +285,8 @@ def test_cli_prompts(tmp_path, capsys):
     run_cli(["data", "prompts", "--writing", "12", "--exclude", eval_file, "--out", str(out)])
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(written) == 12 and {row["source"] for row in written} == {"writing"}
+    run_cli(["data", "prompts", "--math-advanced", "7", "--out", str(out)])
+    assert {json.loads(line)["source"] for line in out.read_text().splitlines()} == {"math-advanced"}
 
 
 # ---------------------------------------------------------------- regeneration with a tiny random model

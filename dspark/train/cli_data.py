@@ -32,6 +32,9 @@ def add_data_parser(subparsers) -> None:
     prompts.add_argument("--code-tasks", type=_count, default=0,
                          help="number of function-writing tasks from documented standard-library functions")
     prompts.add_argument("--math", type=_count, default=0, help="number of synthetic maths questions (templates)")
+    prompts.add_argument("--math-advanced", type=_count, default=0,
+                         help="number of competition-style maths questions (templates: precalculus, algebra, "
+                              "geometry, number theory, counting)")
     prompts.add_argument("--writing", type=_count, default=0,
                          help="number of synthetic writing and role-play requests (templates)")
     prompts.add_argument("--jsonl", action="extend", nargs="+", default=[], metavar="FILE",
@@ -94,7 +97,8 @@ def run_prompts(args: argparse.Namespace) -> None:
     from dspark.train.prompt_sources import build_prompts
 
     prompts, report = build_prompts(sharegpt=args.sharegpt, code=args.code, code_tasks=args.code_tasks,
-                                    maths=args.math, writing=args.writing, jsonl=args.jsonl,
+                                    maths=args.math, advanced_maths=args.math_advanced,
+                                    writing=args.writing, jsonl=args.jsonl,
                                     exclude=args.exclude, seed=args.seed, max_chars=args.max_chars)
     write_prompts(args.out, prompts)
     print(f"[dspark] {report.summary()}", file=sys.stderr)

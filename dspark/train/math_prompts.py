@@ -256,14 +256,21 @@ TEMPLATES: dict[str, Template] = {f.__name__: f for f in (
 )}
 
 
-def math_prompts(seed: int = 0, per_template: int = 400) -> Iterator[Prompt]:
-    """A finite, seeded pool of maths prompts, templates interleaved; most end with the usual step-by-step,
-    boxed-answer instruction, the rest are asked plainly. Ids are `math/<template>/<seed>.<draw>`."""
+def template_pool(templates: dict[str, Template], source: str, seed: int = 0,
+                  per_template: int = 400) -> Iterator[Prompt]:
+    """A finite, seeded pool of prompts, templates interleaved; most end with the usual step-by-step,
+    boxed-answer instruction, the rest are asked plainly. Ids are `<source>/<template>/<seed>.<draw>`, and each
+    prompt depends only on its id, so a pool can grow without changing the prompts already drawn."""
     rng = random.Random(seed)
-    draws = [(name, draw) for draw in range(per_template) for name in TEMPLATES]
+    draws = [(name, draw) for draw in range(per_template) for name in templates]
     rng.shuffle(draws)
     for name, draw in draws:
         local = random.Random(f"{seed}/{name}/{draw}")
-        question = TEMPLATES[name](local)
+        question = templates[name](local)
         text = f"{question}\n{STEP_BY_STEP}" if local.random() < 0.8 else question
-        yield Prompt(f"math/{name}/{seed}.{draw}", "math", [{"role": "user", "content": text}])
+        yield Prompt(f"{source}/{name}/{seed}.{draw}", source, [{"role": "user", "content": text}])
+
+
+def math_prompts(seed: int = 0, per_template: int = 400) -> Iterator[Prompt]:
+    """Grade-school to early-competition maths questions. Ids are `math/<template>/<seed>.<draw>`."""
+    return template_pool(TEMPLATES, "math", seed, per_template)

@@ -302,6 +302,7 @@ def build_prompts(
     code: int = 0,
     code_tasks: int = 0,
     maths: int = 0,
+    advanced_maths: int = 0,
     writing: int = 0,
     jsonl: Iterable[str | Path] = (),
     exclude: Iterable[str | Path] = (),
@@ -310,7 +311,8 @@ def build_prompts(
 ) -> tuple[list[Prompt], BuildReport]:
     """The `dspark data prompts` pipeline: user JSONL first (all of it), then `sharegpt` ShareGPT
     prompts drawn at random with `seed`, then `code` standard-library code prompts, `code_tasks` function-writing
-    tasks, `maths` synthetic maths questions and `writing` synthetic writing and role-play requests."""
+    tasks, `maths` synthetic maths questions, `advanced_maths` competition-style ones and `writing` synthetic
+    writing and role-play requests."""
     exclude = list(exclude)
     index = EvalIndex.from_files(exclude) if exclude else None
     sources: list[tuple[str, Iterable[Prompt], int | None]] = [
@@ -328,16 +330,20 @@ def build_prompts(
         from dspark.train.math_prompts import math_prompts
 
         sources.append(("math", math_prompts(seed), maths))
+    if advanced_maths > 0:
+        from dspark.train.advanced_math_prompts import advanced_math_prompts
+
+        sources.append(("math-advanced", advanced_math_prompts(seed), advanced_maths))
     if writing > 0:
         from dspark.train.writing_prompts import writing_prompts
 
         sources.append(("writing", writing_prompts(seed), writing))
     if not sources:
-        raise DataError("no prompt source: pass --sharegpt N, --code N, --code-tasks N, --math N, --writing N "
-                        "or --jsonl FILE")
+        raise DataError("no prompt source: pass --sharegpt N, --code N, --code-tasks N, --math N, "
+                        "--math-advanced N, --writing N or --jsonl FILE")
     prompts, report = select_prompts(sources, index, seed)
     for name, wanted in (("sharegpt", sharegpt), ("code", code), ("code-task", code_tasks), ("math", maths),
-                         ("writing", writing)):
+                         ("math-advanced", advanced_maths), ("writing", writing)):
         if wanted > 0 and report.sources[name].kept < wanted:
             log(f"warning: only {report.sources[name].kept} {name} prompts available (asked for {wanted})")
     return prompts, report
