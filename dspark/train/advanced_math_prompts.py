@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterator
 
 from dspark.train.data import Prompt
-from dspark.train.math_prompts import NAMES, Template, _nonzero, _signed, template_pool
+from dspark.train.math_prompts import NAMES, Template, nonzero, signed, template_pool
 
 WORDS = ("BALLOON", "LETTER", "COFFEE", "PEPPER", "BANANA", "TATTOO", "SUCCESS", "CIRCLE", "PUZZLE", "RECEDE",
          "ELEVEN", "GAMMA", "ALPACA", "COOKBOOK", "HAMMER", "PARALLEL")
@@ -100,7 +100,7 @@ def vector_angle(rng):
 
 def line_through_points(rng):
     p = tuple(rng.randint(-6, 6) for _ in range(3))
-    d = tuple(_nonzero(rng, -4, 4) for _ in range(3))
+    d = tuple(nonzero(rng, -4, 4) for _ in range(3))
     a, b = rng.randint(1, 6), rng.randint(1, 6)
     return rng.choice([
         f"The set of points $(x,y,z)$ that satisfy\n\\[{a}x = {b}y = -{a + b}z\\]is a line.  Find a direction vector "
@@ -126,14 +126,14 @@ def matrix(rng):
 
 
 def complex_numbers(rng):
-    a, b, c, d = (_nonzero(rng, -9, 9) for _ in range(4))
+    a, b, c, d = (nonzero(rng, -9, 9) for _ in range(4))
     return rng.choice([
-        f"Simplify $({a} {_signed(b)}i)({c} {_signed(d)}i)$.",
-        f"Simplify $\\dfrac{{{a} {_signed(b)}i}}{{{c} {_signed(d)}i}}$. Your answer should be of the form $a+bi$, "
+        f"Simplify $({a} {signed(b)}i)({c} {signed(d)}i)$.",
+        f"Simplify $\\dfrac{{{a} {signed(b)}i}}{{{c} {signed(d)}i}}$. Your answer should be of the form $a+bi$, "
         "where $a$ and $b$ are both real numbers and written as improper fractions (if necessary).",
-        f"Evaluate $|{a} {_signed(b)}i|$.",
+        f"Evaluate $|{a} {signed(b)}i|$.",
         f"Evaluate $i^{{{rng.randint(5, 999)}}} + i^{{{rng.randint(5, 999)}}} + i^{{{rng.randint(5, 999)}}}$.",
-        f"Let $z = {a} {_signed(b)}i$. Find $z^2 {_signed(c)}\\overline{{z}}$.",
+        f"Let $z = {a} {signed(b)}i$. Find $z^2 {signed(c)}\\overline{{z}}$.",
     ])
 
 
@@ -153,9 +153,9 @@ def trigonometry(rng):
 
 
 def polynomial_remainder(rng):
-    coefficients = [_nonzero(rng, -5, 5)] + [rng.randint(-9, 9) for _ in range(rng.randint(3, 5))]
-    a = _nonzero(rng, -4, 4)
-    divisor = rng.choice([f"x {_signed(-a)}", "x^2 - 1", f"x^2 {_signed(a)}x", "2x - 1"])
+    coefficients = [nonzero(rng, -5, 5)] + [rng.randint(-9, 9) for _ in range(rng.randint(3, 5))]
+    a = nonzero(rng, -4, 4)
+    divisor = rng.choice([f"x {signed(-a)}", "x^2 - 1", f"x^2 {signed(a)}x", "2x - 1"])
     return rng.choice([
         f"Find the remainder when ${_poly(coefficients)}$ is divided by ${divisor}$.",
         f"What is the quotient when ${_poly(coefficients)}$ is divided by ${divisor}$?",
@@ -163,8 +163,8 @@ def polynomial_remainder(rng):
 
 
 def vieta_cubic(rng):
-    r, s, t = (_nonzero(rng, -6, 6) for _ in range(3))
-    k = _nonzero(rng, -3, 3)
+    r, s, t = (nonzero(rng, -6, 6) for _ in range(3))
+    k = nonzero(rng, -3, 3)
     coefficients = [k, -k * (r + s + t), k * (r * s + s * t + t * r), -k * r * s * t]
     ask = rng.choice(["a^2 + b^2 + c^2", "\\frac{1}{a} + \\frac{1}{b} + \\frac{1}{c}", "(a+1)(b+1)(c+1)",
                       "a^3 + b^3 + c^3", "\\frac{a}{bc} + \\frac{b}{ac} + \\frac{c}{ab}"])
@@ -172,16 +172,16 @@ def vieta_cubic(rng):
 
 
 def rational_function(rng):
-    a, b, c = rng.randint(1, 9), _nonzero(rng, -9, 9), _nonzero(rng, -9, 9)
+    a, b, c = rng.randint(1, 9), nonzero(rng, -9, 9), nonzero(rng, -9, 9)
     r, s = rng.sample(range(-7, 8), 2)
     numerator = _poly([a, b, c]) if rng.random() < 0.5 else _poly([a, b])
     denominator = _poly([1, -(r + s), r * s])
     return rng.choice([
         f"How many vertical asymptotes does the graph of $y=\\frac{{{numerator}}}{{{denominator}}}$ have?",
         f"Find the horizontal asymptote of the graph of $y=\\frac{{{numerator}}}{{{denominator}}}$, if it exists.",
-        f"Let $f(x) = \\frac{{{a}x {_signed(b)}}}{{x {_signed(-r)}}}$. Compute $f({s}) \\cdot f({s + 1})$, giving "
+        f"Let $f(x) = \\frac{{{a}x {signed(b)}}}{{x {signed(-r)}}}$. Compute $f({s}) \\cdot f({s + 1})$, giving "
         "the result in lowest terms.",
-        f"Find $f^{{-1}}({c})$ if $f(x) = \\frac{{{a}x {_signed(b)}}}{{x {_signed(-r)}}}$.",
+        f"Find $f^{{-1}}({c})$ if $f(x) = \\frac{{{a}x {signed(b)}}}{{x {signed(-r)}}}$.",
     ])
 
 
@@ -189,13 +189,13 @@ def domain_and_range(rng):
     a, b, c = rng.randint(1, 9), rng.randint(-20, 20), rng.randint(1, 30)
     r, s = sorted(rng.sample(range(-9, 10), 2))
     return rng.choice([
-        f"What is the domain of the function $f(x) = \\sqrt{{{a}x {_signed(b)}}} + \\frac{{1}}{{x {_signed(-r)}}}$? "
+        f"What is the domain of the function $f(x) = \\sqrt{{{a}x {signed(b)}}} + \\frac{{1}}{{x {signed(-r)}}}$? "
         "Express your answer in interval notation.",
-        f"Find all $x$ that satisfy the inequality $x^2 {_signed(-(r + s))}x {_signed(r * s)} < 0.$  Express your "
+        f"Find all $x$ that satisfy the inequality $x^2 {signed(-(r + s))}x {signed(r * s)} < 0.$  Express your "
         "answer in interval notation.",
-        f"What is the range of the function $y = \\frac{{x^2 {_signed(-(r + s))}x {_signed(r * s)}}}"
-        f"{{x {_signed(-r)}}}$? Express your answer using interval notation.",
-        f"Find the smallest value of $x$ that satisfies $|{a}x {_signed(b)}| \\le {c}$.",
+        f"What is the range of the function $y = \\frac{{x^2 {signed(-(r + s))}x {signed(r * s)}}}"
+        f"{{x {signed(-r)}}}$? Express your answer using interval notation.",
+        f"Find the smallest value of $x$ that satisfies $|{a}x {signed(b)}| \\le {c}$.",
     ])
 
 
@@ -217,11 +217,11 @@ def recursive_sequence(rng):
     a1, a2, m = rng.randint(1, 9), rng.randint(1, 9), rng.randint(2, 5)
     k = rng.randint(6, 30)
     return rng.choice([
-        f"A sequence is defined by $a_1 = {a1},$ $a_2 = {a2},$ and\n\\[a_n = a_{{n - 1}} {_signed(m)}a_{{n - 2}}\\]for "
+        f"A sequence is defined by $a_1 = {a1},$ $a_2 = {a2},$ and\n\\[a_n = a_{{n - 1}} {signed(m)}a_{{n - 2}}\\]for "
         f"all $n \\ge 3.$  Find $a_{{{k}}}.$",
         f"A sequence $(a_n)$ satisfies $a_1 = {a1}$ and $a_{{n + 1}} = \\frac{{a_n}}{{1 + {m}a_n}}$ for $n \\ge 1$. "
         f"Find $a_{{{k}}}$.",
-        f"Let $a_0 = {a1}$ and $a_{{n+1}} = {m}a_n {_signed(-a2)}$ for $n \\ge 0$. What is the remainder when "
+        f"Let $a_0 = {a1}$ and $a_{{n+1}} = {m}a_n {signed(-a2)}$ for $n \\ge 0$. What is the remainder when "
         f"$a_{{{k}}}$ is divided by $7$?",
     ])
 
@@ -239,12 +239,12 @@ def nonlinear_system(rng):
 
 def conic(rng):
     h, k, r = rng.randint(-9, 9), rng.randint(-9, 9), rng.randint(1, 12)
-    a = _nonzero(rng, -4, 4)
+    a = nonzero(rng, -4, 4)
     return rng.choice([
-        f"Find the center of the circle with equation $x^2 {_signed(-2 * h)}x + y^2 {_signed(-2 * k)}y = "
+        f"Find the center of the circle with equation $x^2 {signed(-2 * h)}x + y^2 {signed(-2 * k)}y = "
         f"{r * r - h * h - k * k}$.",
-        f"What is the radius of the circle with equation $x^2 {_signed(-2 * h)}x + y^2 {_signed(-2 * k)}y "
-        f"{_signed(h * h + k * k - r * r)} = 0$?",
+        f"What is the radius of the circle with equation $x^2 {signed(-2 * h)}x + y^2 {signed(-2 * k)}y "
+        f"{signed(h * h + k * k - r * r)} = 0$?",
         f"Find the vertex of the parabola $y = {_poly([a, -2 * a * h, a * h * h + k])}$.",
         f"Find the focus of the parabola $y = {_poly([a, 0, k])}.$",
         f"Find the distance between the foci of the ellipse\n\\[\\frac{{x^2}}{{{(r + 2) ** 2}}} + "
@@ -255,11 +255,11 @@ def conic(rng):
 def piecewise(rng):
     c, m, b = rng.randint(-5, 5), rng.randint(1, 6), rng.randint(-9, 9)
     return rng.choice([
-        f"Let \\[f(x) = \\left\\{{\n\\begin{{array}}{{cl}} ax {_signed(b)}, &\\text{{ if }}x>{c}, \\\\\nx^2 "
-        f"{_signed(-m)}, &\\text{{ if }} x \\le {c}.\n\\end{{array}}\n\\right.\\]Find $a$ if the graph of $y=f(x)$ is "
+        f"Let \\[f(x) = \\left\\{{\n\\begin{{array}}{{cl}} ax {signed(b)}, &\\text{{ if }}x>{c}, \\\\\nx^2 "
+        f"{signed(-m)}, &\\text{{ if }} x \\le {c}.\n\\end{{array}}\n\\right.\\]Find $a$ if the graph of $y=f(x)$ is "
         "continuous.",
-        f"Let \\[f(n) = \\left\\{{\n\\begin{{array}}{{cl}} n^2 {_signed(b)} & \\text{{ if }}n<{c}, \\\\\n{m}n "
-        f"{_signed(-b)} & \\text{{ if }}n \\geq {c}.\n\\end{{array}}\n\\right.\\]Find $f({c - 3}) + f({c}) + "
+        f"Let \\[f(n) = \\left\\{{\n\\begin{{array}}{{cl}} n^2 {signed(b)} & \\text{{ if }}n<{c}, \\\\\n{m}n "
+        f"{signed(-b)} & \\text{{ if }}n \\geq {c}.\n\\end{{array}}\n\\right.\\]Find $f({c - 3}) + f({c}) + "
         f"f({c + 4})$.",
     ])
 
@@ -268,8 +268,8 @@ def exponent_equation(rng):
     base, a, b = rng.choice([2, 3, 5]), rng.randint(1, 4), rng.randint(-5, 5)
     k = rng.randint(2, 4)
     return rng.choice([
-        f"Solve for $x$: ${base}^{{x {_signed(b)}}} = {base ** k}^{{{a}x}}$.",
-        f"If $\\log_{{{base}}} (x {_signed(b)}) + \\log_{{{base}}} (x) = {k}$, what is $x$?",
+        f"Solve for $x$: ${base}^{{x {signed(b)}}} = {base ** k}^{{{a}x}}$.",
+        f"If $\\log_{{{base}}} (x {signed(b)}) + \\log_{{{base}}} (x) = {k}$, what is $x$?",
         f"Simplify $\\sqrt[{k}]{{{base ** (k * a)} \\cdot {base ** k}}}$.",
         f"What is the value of $\\left(\\frac{{{a}}}{{{a + 1}}}\\right)^{{-{k}}} \\cdot \\left(\\frac{{{a + 1}}}"
         f"{{{a}}}\\right)^{{{k - 1}}}$? Express your answer as a common fraction.",
@@ -322,7 +322,7 @@ def coordinate_geometry(rng):
         f"$C({x3}, {y3})$?",
         f"Find the perimeter of the triangle with vertices $({x1}, {y1})$, $({x2}, {y2})$ and $({x3}, {y3})$.",
         f"The points $({x1}, {y1})$, $({x2}, {y2})$ and $({x3}, k)$ lie on the same line. What is $k$?",
-        f"Find the reflection of the point $({x1}, {y1})$ over the line $y = {_poly([_nonzero(rng, -2, 2), y3])}$.",
+        f"Find the reflection of the point $({x1}, {y1})$ over the line $y = {_poly([nonzero(rng, -2, 2), y3])}$.",
     ])
 
 

@@ -19,14 +19,16 @@ NAMES = ("Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Isla
 ITEMS = ("apples", "stickers", "marbles", "books", "cookies", "pencils", "stamps", "shells", "cards", "coins")
 
 
-def _nonzero(rng: random.Random, low: int, high: int) -> int:
+def nonzero(rng: random.Random, low: int, high: int) -> int:
+    """A random integer in [low, high] other than 0 (a coefficient that must not vanish)."""
     value = 0
     while value == 0:
         value = rng.randint(low, high)
     return value
 
 
-def _signed(value: int) -> str:
+def signed(value: int) -> str:
+    """`3` -> `+ 3`, `-3` -> `- 3`: a term written after another."""
     return f"+ {value}" if value >= 0 else f"- {-value}"
 
 
@@ -36,7 +38,7 @@ Template = Callable[[random.Random], str]
 
 def linear_equation(rng):
     a, c = rng.sample(range(2, 13), 2)
-    return f"Solve for $x$: ${a}x {_signed(rng.randint(-30, 30))} = {c}x {_signed(rng.randint(-30, 30))}$."
+    return f"Solve for $x$: ${a}x {signed(rng.randint(-30, 30))} = {c}x {signed(rng.randint(-30, 30))}$."
 
 
 def linear_system(rng):
@@ -51,18 +53,18 @@ def quadratic_roots(rng):
     r, s = rng.randint(-12, 12), rng.randint(-12, 12)
     ask = rng.choice(["the sum of the squares of the roots", "the product of the roots", "the positive difference "
                       "between the roots", "the sum of the reciprocals of the roots"])
-    return f"What is {ask} of $x^2 {_signed(-(r + s))}x {_signed(r * s)} = 0$?"
+    return f"What is {ask} of $x^2 {signed(-(r + s))}x {signed(r * s)} = 0$?"
 
 
 def function_value(rng):
     a, b, c, n = rng.randint(1, 9), rng.randint(-20, 20), rng.randint(-20, 20), rng.randint(-6, 6)
-    return f"Let $f(x) = {a}x^2 {_signed(b)}x {_signed(c)}$. What is $f({n})$?"
+    return f"Let $f(x) = {a}x^2 {signed(b)}x {signed(c)}$. What is $f({n})$?"
 
 
 def composition(rng):
     a, b, c, n = rng.randint(2, 9), rng.randint(-10, 10), rng.randint(1, 20), rng.randint(-5, 5)
     outer = rng.choice(["f(g", "g(f"])
-    return f"If $f(x) = {a}x {_signed(b)}$ and $g(x) = x^2 - {c}$, what is ${outer}({n}))$?"
+    return f"If $f(x) = {a}x {signed(b)}$ and $g(x) = x^2 - {c}$, what is ${outer}({n}))$?"
 
 
 def gcd_lcm(rng):
@@ -94,7 +96,7 @@ def base_conversion(rng):
 
 
 def arithmetic_sequence(rng):
-    a, d = rng.randint(-20, 40), _nonzero(rng, -9, 9)
+    a, d = rng.randint(-20, 40), nonzero(rng, -9, 9)
     k, j = rng.sample(range(3, 60), 2)
     return (f"The first term of an arithmetic sequence is ${a}$ and the {k}th term is ${a + (k - 1) * d}$. "
             f"What is the {j}th term?")
@@ -169,12 +171,12 @@ def integer_count(rng):
     k, b = rng.randint(2, 9), rng.randint(-20, 20)
     low = rng.randint(-60, 30)
     high = low + rng.randint(10, 90)
-    return f"How many integers $n$ satisfy ${low} < {k}n {_signed(b)} < {high}$?"
+    return f"How many integers $n$ satisfy ${low} < {k}n {signed(b)} < {high}$?"
 
 
 def expand(rng):
-    a, b, c, d = (_nonzero(rng, -9, 9) for _ in range(4))
-    return f"Expand the product $({a}x {_signed(b)})({c}x {_signed(d)})$."
+    a, b, c, d = (nonzero(rng, -9, 9) for _ in range(4))
+    return f"Expand the product $({a}x {signed(b)})({c}x {signed(d)})$."
 
 
 def logarithm(rng):
@@ -204,14 +206,14 @@ def distance(rng):
 
 def line(rng):
     x1, y1, y2 = rng.randint(-9, 9), rng.randint(-9, 9), rng.randint(-9, 9)
-    x2 = x1 + _nonzero(rng, -6, 6)
+    x2 = x1 + nonzero(rng, -6, 6)
     return (f"Find the equation of the line that passes through $({x1}, {y1})$ and $({x2}, {y2})$. Write it in the "
             "form $y = mx + b$.")
 
 
 def absolute_value(rng):
     a, b, c = rng.randint(1, 9), rng.randint(-20, 20), rng.randint(1, 30)
-    return f"What is the sum of all values of $x$ that satisfy $|{a}x {_signed(-b)}| = {c}$?"
+    return f"What is the sum of all values of $x$ that satisfy $|{a}x {signed(-b)}| = {c}$?"
 
 
 def floor_ceiling(rng):
