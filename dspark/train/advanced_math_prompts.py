@@ -13,6 +13,9 @@ prompt that shares content with an evaluation set.
 
 import math
 from collections.abc import Iterator
+from functools import partial
+
+import numpy as np
 
 from dspark.train.data import Prompt
 from dspark.train.math_prompts import NAMES, Template, nonzero, signed, template_pool
@@ -392,14 +395,7 @@ def modular_arithmetic(rng):
 def base_arithmetic(rng):
     base = rng.choice([2, 3, 4, 5, 6, 7, 8, 9])
     a, b = rng.randint(base, base ** 4), rng.randint(base, base ** 4)
-
-    def write(n: int) -> str:
-        out = ""
-        while n:
-            n, d = divmod(n, base)
-            out = str(d) + out
-        return out
-
+    write = partial(np.base_repr, base=base)
     return rng.choice([
         f"Add ${write(a)}_{base} + {write(b)}_{base}.$ Express your answer in base ${base}.$",
         f"Find the product of ${write(a)}_{base} \\cdot {write(b % (base ** 2) + 1)}_{base}$. Express your answer in "
