@@ -49,6 +49,24 @@ def test_bad_score_arguments(capsys, argv, message):
     assert code == 2 and err.startswith("error: ") and message in err
 
 
+@pytest.mark.parametrize("argv, resume, output_dir", [
+    (["--resume", "output_dir=runs/x", "data=c.jsonl"], "latest", "runs/x"),  # the override is not a checkpoint
+    (["data=c.jsonl", "output_dir=runs/x", "--resume"], "latest", "runs/x"),
+    (["--resume", "CHECKPOINT", "output_dir=runs/y", "data=c.jsonl"], "CHECKPOINT", "runs/y"),
+])
+def test_resume_before_an_override_resumes_the_newest_checkpoint(capsys, monkeypatch, tmp_path, argv, resume,
+                                                                 output_dir):
+    calls = []
+    monkeypatch.setattr("dspark.train.trainer.train", lambda config, resume: calls.append((config, resume)) or {})
+    checkpoint = tmp_path / "checkpoint-0000002"
+    checkpoint.mkdir()
+    argv = [str(checkpoint) if arg == "CHECKPOINT" else arg for arg in argv]
+    code, _, err = run_cli(capsys, "train", *argv)
+    assert code == 0, err
+    (config, got), = calls
+    assert got == (str(checkpoint) if resume == "CHECKPOINT" else resume) and config.output_dir == output_dir
+
+
 def test_corrupt_target_directory(capsys, tmp_path):
     (tmp_path / "config.json").write_text("{ not json")
     code, _, err = run_cli(capsys, "generate", "hi", "--target", str(tmp_path))

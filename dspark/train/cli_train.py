@@ -27,14 +27,19 @@ def add_train_parser(subparsers) -> None:
 def run_train(args: argparse.Namespace) -> None:
     import json
     import os
+    from pathlib import Path
 
     from dspark.errors import DsparkError
     from dspark.train.config import load_config
     from dspark.train.trainer import score, train
 
-    config = load_config(args.config, args.overrides, drafter_type=args.drafter_type)
-    if args.score and args.resume:
+    resume, overrides = args.resume, list(args.overrides)
+    if resume not in (None, "latest") and "=" in resume and not Path(resume).exists():
+        # `--resume output_dir=runs/x ...`: argparse gave the optional checkpoint the first override
+        resume, overrides = "latest", [resume, *overrides]
+    config = load_config(args.config, overrides, drafter_type=args.drafter_type)
+    if args.score and resume:
         raise DsparkError("--score and --resume exclude each other (--score does not train)")
-    result = score(config) if args.score else train(config, resume=args.resume)
+    result = score(config) if args.score else train(config, resume=resume)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result))
