@@ -335,3 +335,25 @@ def test_cli_bad_input(tmp_path, capsys, argv, message):
     assert code == 2 and err.startswith("error: ") and message in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("flags, expected", [("", "float32"), ("avx512_bf16 amx_bf16", "bfloat16")])
+def test_cli_regenerate_dtype_auto_follows_the_cpu(tiny_on_disk, tmp_path, capsys, monkeypatch, flags, expected):
+    """`--dtype auto` on `data regenerate` resolves as on every other command (bf16 only with native bf16)."""
+    import dspark.loading
+
+    monkeypatch.setattr("dspark.loading.read_cpuinfo", lambda: f"flags : fpu sse2 {flags}")
+    real_load, dtypes = dspark.loading.load_target, []
+
+    def load_spy(name, dtype):
+        dtypes.append(dtype)
+        return real_load(name, dtype=dtype)
+
+    monkeypatch.setattr("dspark.loading.load_target", load_spy)
+    out = tmp_path / "answers.jsonl"
+    code, _, err = run_cli(capsys, "data", "regenerate", "--prompts", str(tiny_on_disk / "gsm8k.jsonl"), "--out",
+                           str(out), "--target", str(tiny_on_disk / "target"), "--dtype", "auto", "--temperature",
+                           "0", "--max-new-tokens", "3", "--batch-size", "2")
+    assert code == 0, err
+    assert [str(d).removeprefix("torch.") for d in dtypes] == [expected]
+    assert len(out.read_text().splitlines()) == 3

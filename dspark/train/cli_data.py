@@ -58,8 +58,9 @@ def add_data_parser(subparsers) -> None:
     regen.add_argument("--limit", type=_positive_int, default=None, help="answer at most N more prompts in this run")
     regen.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     regen.add_argument("--seed", type=int, default=0)
-    regen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                       help="target dtype for generation (bf16 is several times faster on CPUs with native bf16)")
+    regen.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                       help="target dtype for generation (bf16 is several times faster on CPUs with native bf16; "
+                            "auto: bf16 where the CPU has it natively). Default float32, the corpus's reference")
     regen.add_argument("--skip", action="append", default=[], metavar="CORPUS",
                        help="corpus (.safetensors) whose prompt ids are not regenerated (repeatable)")
     regen.set_defaults(handler=run_regenerate)
@@ -110,7 +111,7 @@ def run_regenerate(args: argparse.Namespace) -> None:
     import torch
 
     from dspark.errors import DsparkError
-    from dspark.loading import load_target
+    from dspark.loading import load_target, resolve_dtype
     from dspark.train.prompt_sources import read_jsonl_prompts
     from dspark.train.regenerate import SamplingConfig, recommended_sampling, regenerate
 
@@ -121,7 +122,7 @@ def run_regenerate(args: argparse.Namespace) -> None:
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise DsparkError(f"--top-p must be in (0, 1], got {args.top_p}")
     prompts = read_jsonl_prompts(args.prompts)
-    target = load_target(args.target, dtype=getattr(torch, args.dtype))
+    target = load_target(args.target, dtype=resolve_dtype(args.dtype))
     if target.tokenizer is None:
         raise DsparkError(f"target {args.target!r} has no tokenizer")
     default = recommended_sampling(target.model)
