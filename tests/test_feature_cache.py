@@ -569,6 +569,13 @@ def test_score_reads_what_the_heldout_evaluation_read(cached_run):
     assert sum(part["eval_blocks"] for part in parts.values()) == scored["eval_blocks"]
     mean_tau = sum(part["eval_tau"] * part["eval_blocks"] for part in parts.values()) / scored["eval_blocks"]
     assert mean_tau == pytest.approx(scored["eval_tau"], rel=1e-6)
+    samples = scored["samples"]  # per-sample rollout-order sums, for paired resampling (dspark.eval.paired)
+    assert sorted(samples) == sorted(corpus.ids[i] for i in held)
+    assert {s["source"] for s in samples.values()} == {"source0", "source1"}
+    for suffix in ("", "_greedy"):
+        tokens = sum(s[f"chain_tokens{suffix}"] for s in samples.values())
+        rounds = sum(s[f"chain_rounds{suffix}"] for s in samples.values())
+        assert tokens / rounds == pytest.approx(scored[f"eval_rollout_tau{suffix}"], rel=1e-9)
     train(cached_config(cached_run, "to_score_early", **online, max_steps=1))  # another drafter: other numbers
     early = score(cached_config(cached_run, "unused", **online, data=str(cached_run / "held.safetensors"),
                                 init_from=str(cached_run / "to_score_early" / "final")))

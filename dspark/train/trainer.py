@@ -228,8 +228,10 @@ def evaluate(run: Run, drafter_forward: nn.Module, examples: list) -> dict:
 
 
 @torch.no_grad()
-def evaluation_sums(run: Run, drafter_forward: nn.Module, examples: list) -> dict:
-    """The sums `evaluation_metrics` divides, over all ranks: sums of disjoint example sets add up."""
+def evaluation_sums(run: Run, drafter_forward: nn.Module, examples: list,
+                    per_sample: dict | None = None) -> dict:
+    """The sums `evaluation_metrics` divides, over all ranks: sums of disjoint example sets add up. `per_sample`
+    (one process) receives each example's rollout-order sums by sample id, for paired resampling over samples."""
     config, d = run.config, run.dist
     mine = list(range(d.rank, len(examples), d.world))
     per_rank = max(config.batch_size // d.world, 1)
@@ -261,6 +263,10 @@ def evaluation_sums(run: Run, drafter_forward: nn.Module, examples: list) -> dic
                                    None if greedy is None else (greedy[b] & valid[b]).float())
             for name, value in (chained or {"chains_broken": 1.0}).items():
                 sums[name] += value
+            if per_sample is not None and chained:
+                mine_sums = per_sample.setdefault(examples[indices[b]].sample_id, {})
+                for name, value in chained.items():
+                    mine_sums[name] = mine_sums.get(name, 0.0) + float(value)
     sums = {name: float(value) for name, value in d.sum_fields(sums).items()}
     sums.update(accepted=d.sum(accepted), accepted_greedy=d.sum(accepted_greedy), counted=d.sum(counted))
     return sums
@@ -497,11 +503,15 @@ def score(config: TrainConfig) -> dict:
     by_source: dict[str, list] = {}
     for example in prepared.examples:
         by_source.setdefault(corpus.sources[corpus.source_index[example.index]], []).append(example)
-    parts = {source: evaluation_sums(prepared.run, module, examples) for source, examples in sorted(by_source.items())}
+    samples: dict[str, dict] = {}
+    parts = {source: evaluation_sums(prepared.run, module, examples, samples)
+             for source, examples in sorted(by_source.items())}
     total = {name: sum(part[name] for part in parts.values()) for name in next(iter(parts.values()))}
     d.close()
+    sources = {example.sample_id: source for source, examples in by_source.items() for example in examples}
     return {**evaluation_metrics(prepared.run, total),
-            "sources": {source: evaluation_metrics(prepared.run, part) for source, part in parts.items()}}
+            "sources": {source: evaluation_metrics(prepared.run, part) for source, part in parts.items()},
+            "samples": {sample_id: {"source": sources[sample_id], **sums} for sample_id, sums in samples.items()}}
 
 
 def split_examples(config: TrainConfig, examples: list) -> tuple[list[int], list[int]]:

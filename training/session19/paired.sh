@@ -13,6 +13,7 @@ cd "$(dirname "$0")/../.."
 . .venv/bin/activate
 OUT=$1; shift
 E=../shared/eval_datasets; WORK=${WORK:-/tmp/dspark_paired}; N=${N:-40}; TOKENS=${TOKENS:-128}
+DTYPE=${DTYPE:-float32}; TEMPS=${TEMPS:-0 1}  # session 35: DTYPE=auto TEMPS=0 (the evaluation's bf16 greedy text)
 mkdir -p "$WORK" "$OUT"
 if [ ! -s "$WORK/prompts.jsonl" ]; then  # the first N prompts of each set, tagged with the set (a scratch file)
   python - "$WORK/prompts.jsonl" "$N" $E/math500.jsonl $E/humaneval.jsonl $E/mbpp.jsonl $E/mt-bench.jsonl <<'PY'
@@ -25,17 +26,17 @@ with open(out, "w") as handle:
             handle.write(json.dumps({"id": f"{dataset_name(path)}:{i}", "source": dataset_name(path), "turns": [prompt]}) + "\n")
 PY
 fi
-for T in 0 1; do
+for T in $TEMPS; do
   if [ ! -s "$WORK/answers_T$T.safetensors" ]; then
     dspark data regenerate --prompts "$WORK/prompts.jsonl" --out "$WORK/answers_T$T.jsonl" --temperature $T \
-        --top-p 1.0 --max-new-tokens $TOKENS --batch-size 16 --threads 2 --dtype float32 --seed 0
+        --top-p 1.0 --max-new-tokens $TOKENS --batch-size 16 --threads 2 --dtype $DTYPE --seed 0
     dspark data pack --jsonl "$WORK/answers_T$T.jsonl" --out "$WORK/answers_T$T.safetensors" --temperature $T \
         --top-p 1.0 --max-new-tokens $TOKENS
   fi
 done
 for DRAFTER in "$@"; do
   NAME=$(basename "$(dirname "$DRAFTER")")_$(basename "$DRAFTER")
-  for T in 0 1; do
+  for T in $TEMPS; do
     dspark train --config configs/smollm2-dspark-cached.yaml --score init_from="$DRAFTER" \
         data="$WORK/answers_T$T.safetensors" feature_cache=null online_features=true seq_len=1024 threads=2 \
         progress=false > "$OUT/paired_T${T}_$NAME.json" 2> "$OUT/paired_T${T}_$NAME.err"
