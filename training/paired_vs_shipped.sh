@@ -6,6 +6,7 @@
 # over the 160 prompts: ratio, 95% interval, P(candidate ahead), overall and per set. Quiet machine not needed (no
 # timing). ~2 min of answers per temperature once, then ~1.5 min per drafter and temperature on 2 cores.
 #   OUT=training/session35/paired bash training/paired_vs_shipped.sh runs/run26/final [more drafters]
+# The shipped drafter's score is cached in OUT by its directory's name: after shipping, use a new OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate

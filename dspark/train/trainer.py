@@ -503,15 +503,16 @@ def score(config: TrainConfig) -> dict:
     by_source: dict[str, list] = {}
     for example in prepared.examples:
         by_source.setdefault(corpus.sources[corpus.source_index[example.index]], []).append(example)
-    samples: dict[str, dict] = {}
-    parts = {source: evaluation_sums(prepared.run, module, examples, samples)
-             for source, examples in sorted(by_source.items())}
+    parts, samples = {}, {}
+    for source, examples in sorted(by_source.items()):
+        mine: dict[str, dict] = {}
+        parts[source] = evaluation_sums(prepared.run, module, examples, mine)
+        samples.update({sample_id: {"source": source, **sums} for sample_id, sums in mine.items()})
     total = {name: sum(part[name] for part in parts.values()) for name in next(iter(parts.values()))}
     d.close()
-    sources = {example.sample_id: source for source, examples in by_source.items() for example in examples}
     return {**evaluation_metrics(prepared.run, total),
             "sources": {source: evaluation_metrics(prepared.run, part) for source, part in parts.items()},
-            "samples": {sample_id: {"source": sources[sample_id], **sums} for sample_id, sums in samples.items()}}
+            "samples": samples}
 
 
 def split_examples(config: TrainConfig, examples: list) -> tuple[list[int], list[int]]:
