@@ -21,15 +21,18 @@ against vanilla decoding *with the same compiled forward*, as the eager bf16 for
 "Exactness per dtype").
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from dspark.loading import log
+from dspark.packed import packed_by_default
 from dspark.ragged import BatchLayout, half_signed, rms_norm, rotate, round_attention
 
 #: the most new tokens per request a compiled forward takes: decode and verify steps, and prompt chunks up to the
@@ -39,6 +42,57 @@ from dspark.ragged import BatchLayout, half_signed, rms_norm, rotate, round_atte
 MAX_COMPILED_TOKENS = 512
 #: inductor settings for the compile (see the module docstring for why each)
 INDUCTOR_OPTIONS = {"cpp_wrapper": True, "freezing": True}
+#: float32 products of at least this many rows go to oneDNN where `onednn_float32` says so (0: every product)
+ONEDNN_MIN_ROWS = 2
+
+
+class _CacheTag(CustomGraphPass):
+    """A pass that changes nothing but inductor's cache key: a graph compiled under `onednn_float32` and one
+    compiled without it (by another dspark, or in another process here) are different files."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return self.tag
+
+
+@contextmanager
+def onednn_float32(enabled: bool, min_rows: int | None = None) -> Iterator[None]:
+    """Inductor packs a frozen float32 weight for MKL's packed GEMM where the product's row count is static and
+    for oneDNN where it is symbolic. On a 2-core AVX2 CPU (AMD EPYC, session 36) MKL's packed GEMM took ~2.6x
+    oneDNN's time on the default target's 49k-wide LM head at 8 rows and ~1.6x on its layers' matrices at 2 to 8
+    rows (at 1 row about the same): a drafter's block (7 static rows) then paid MKL's. While `enabled`, inductor
+    takes a static row count of at least `min_rows` (default `ONEDNN_MIN_ROWS`) as symbolic for that choice, so
+    those weights are packed for oneDNN as `dspark.packed` does eagerly on such CPUs. Not bit-identical to MKL's
+    result; every compiled forward already differs from the eager one in the last bits."""
+    try:
+        from torch._inductor.fx_passes import mkldnn_fusion
+        original = mkldnn_fusion.has_free_symbols
+    except (ImportError, AttributeError):  # another torch: its own choice stands
+        enabled = False
+    if not enabled:
+        yield
+        return
+    least = ONEDNN_MIN_ROWS if min_rows is None else min_rows
+
+    def symbolic(size) -> bool:
+        return original(size) or (isinstance(size, int) and size >= least)
+
+    mkldnn_fusion.has_free_symbols = symbolic
+    try:
+        with inductor_config.patch(post_grad_custom_post_pass=_CacheTag(f"dspark-onednn-float32-rows{least}")):
+            yield
+    finally:
+        mkldnn_fusion.has_free_symbols = original
+
+
+def prefers_onednn_float32() -> bool:
+    """Where float32 weights are packed for oneDNN eagerly (no native bf16: `auto` runs float32 there)."""
+    return packed_by_default(torch.float32, torch.device("cpu"))
 
 
 class CompiledDecode(nn.Module):
@@ -138,6 +192,7 @@ class CompiledRunner:
         self.what = what
         self.compiled = torch.compile(module, dynamic=True)
         self.failed: str | None = None
+        self.onednn = prefers_onednn_float32()
 
     def __call__(self, tokens: torch.Tensor, *args) -> tuple | None:
         """The module's forward on (tokens, *args), or None once compiling or running it has failed."""
@@ -150,7 +205,8 @@ class CompiledRunner:
         try:  # the settings as a patch around the call: `torch.compile(options=...)` does not apply `freezing`
             # no duck sizing: sizes that happen to be equal when a graph is traced (8 slots, 8 tokens) would become
             # one symbol, and the graph would be traced again the first time they differ
-            with inductor_config.patch(INDUCTOR_OPTIONS), shape_config.patch(use_duck_shape=False):
+            with (inductor_config.patch(INDUCTOR_OPTIONS), shape_config.patch(use_duck_shape=False),
+                  onednn_float32(self.onednn)):
                 return self.compiled(tokens, *args)
         except Exception as error:  # noqa: BLE001 - any compile failure falls back to the eager forward
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

@@ -17,6 +17,7 @@ from dspark.drafters.base import Drafter
 from dspark.engine import Engine, Request, make_backend
 from dspark.errors import DsparkError
 from dspark.loading import LoadedTarget, cache_dir, log, target_dtype_name
+from dspark.packed import packed_by_default
 from dspark.ragged import Segment, auto_packed, default_attention_dtype, supports_ragged
 from dspark.sampling import SamplingParams, make_generator
 from dspark.scheduler import RoundCost, SPSTable, time_interleaved
@@ -142,6 +143,8 @@ def drafter_tag(drafter: Drafter) -> str:
     config = getattr(drafter, "config", None)
     described = repr(config.to_dict() if hasattr(config, "to_dict") else config)
     compiled = "-compiled" if drafter.drafts_compiled else ""
+    if compiled and packed_by_default(torch.float32, torch.device("cpu")):
+        compiled += "-onednn"  # its float32 products packed for oneDNN (`dspark.compiled.onednn_float32`, session 36)
     return f"{type(drafter).__name__}-{hashlib.sha1(described.encode()).hexdigest()[:12]}{compiled}"
 
 

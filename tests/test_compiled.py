@@ -209,3 +209,47 @@ def test_a_compile_failure_falls_back_to_eager_once_and_says_why(llama, monkeypa
     assert len(calls) == 1 and "no C++ compiler" in fresh.failed
     assert "compiled forward unavailable (RuntimeError: InductorError: no C++ compiler); running eager" in (
         capsys.readouterr().err)
+
+
+class _StaticRows(torch.nn.Module):
+    """A product whose row count (8) is a constant of the graph, as a drafter block's positions are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.rows = torch.nn.Parameter(torch.randn(8, 64, generator=generator), requires_grad=False)
+        self.weight = torch.nn.Parameter(torch.randn(96, 64, generator=generator), requires_grad=False)
+
+    def forward(self, scale: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.rows * scale, self.weight)
+
+
+@pytest.mark.skipif(not torch._C.has_mkl, reason="inductor packs float32 for MKL only where torch has MKL")
+@pytest.mark.parametrize("onednn", [False, True])
+def test_onednn_float32_packs_static_products_of_several_rows_for_onednn(onednn):
+    from torch._inductor.utils import run_and_get_code
+
+    module = _StaticRows().eval()
+    runner = CompiledRunner(module, "static rows")
+    runner.onednn = onednn
+    scale = torch.tensor(0.5)
+    with torch.inference_mode():  # as the engine calls it: inductor freezes (and packs) weights only there
+        out, code = run_and_get_code(runner, scale)
+    source = "\n".join(code)
+    assert runner.failed is None
+    assert ("mkldnn._linear_pointwise" in source) == onednn
+    assert ("_mkl_linear" in source) == (not onednn)
+    torch.testing.assert_close(out, module(scale), rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_float32_leaves_one_row_products_and_restores_inductors_choice():
+    from torch._inductor.fx_passes import mkldnn_fusion
+
+    from dspark.compiled import onednn_float32
+
+    original = mkldnn_fusion.has_free_symbols
+    with onednn_float32(True, min_rows=2):
+        assert mkldnn_fusion.has_free_symbols(8) and not mkldnn_fusion.has_free_symbols(1)
+    with onednn_float32(False):
+        assert mkldnn_fusion.has_free_symbols is original
+    assert mkldnn_fusion.has_free_symbols is original and not original(8)
