@@ -42,8 +42,9 @@ from dspark.ragged import BatchLayout, half_signed, rms_norm, rotate, round_atte
 MAX_COMPILED_TOKENS = 512
 #: inductor settings for the compile (see the module docstring for why each)
 INDUCTOR_OPTIONS = {"cpp_wrapper": True, "freezing": True}
-#: float32 products of at least this many rows go to oneDNN where `onednn_float32` says so (0: every product)
-ONEDNN_MIN_ROWS = 2
+#: compiled float32 products of at least this many static rows go to oneDNN on CPUs without native bf16
+#: (`onednn_float32`): every one, since the 1-token decode graph took 0.86x the time with oneDNN there too
+ONEDNN_MIN_ROWS = 1
 
 
 class _CacheTag(CustomGraphPass):
@@ -61,30 +62,30 @@ class _CacheTag(CustomGraphPass):
 
 
 @contextmanager
-def onednn_float32(enabled: bool, min_rows: int | None = None) -> Iterator[None]:
+def onednn_float32(min_rows: int | None) -> Iterator[None]:
     """Inductor packs a frozen float32 weight for MKL's packed GEMM where the product's row count is static and
     for oneDNN where it is symbolic. On a 2-core AVX2 CPU (AMD EPYC, session 36) MKL's packed GEMM took ~2.6x
     oneDNN's time on the default target's 49k-wide LM head at 8 rows and ~1.6x on its layers' matrices at 2 to 8
-    rows (at 1 row about the same): a drafter's block (7 static rows) then paid MKL's. While `enabled`, inductor
-    takes a static row count of at least `min_rows` (default `ONEDNN_MIN_ROWS`) as symbolic for that choice, so
-    those weights are packed for oneDNN as `dspark.packed` does eagerly on such CPUs. Not bit-identical to MKL's
+    rows: a drafter's block (7 static rows) paid MKL's, and so did the 1-token decode graph (0.86x the time with
+    oneDNN, side by side), while the verify graph (symbolic rows) had oneDNN's. Inside, inductor takes a
+    static row count of at least `min_rows` as symbolic for that choice (None: its own choice stands), so those
+    weights are packed for oneDNN as `dspark.packed` does eagerly on such CPUs. Not bit-identical to MKL's
     result; every compiled forward already differs from the eager one in the last bits."""
     try:
         from torch._inductor.fx_passes import mkldnn_fusion
         original = mkldnn_fusion.has_free_symbols
     except (ImportError, AttributeError):  # another torch: its own choice stands
-        enabled = False
-    if not enabled:
+        min_rows = None
+    if min_rows is None:
         yield
         return
-    least = ONEDNN_MIN_ROWS if min_rows is None else min_rows
 
     def symbolic(size) -> bool:
-        return original(size) or (isinstance(size, int) and size >= least)
+        return original(size) or (isinstance(size, int) and size >= min_rows)
 
     mkldnn_fusion.has_free_symbols = symbolic
     try:
-        with inductor_config.patch(post_grad_custom_post_pass=_CacheTag(f"dspark-onednn-float32-rows{least}")):
+        with inductor_config.patch(post_grad_custom_post_pass=_CacheTag(f"dspark-onednn-float32-rows{min_rows}")):
             yield
     finally:
         mkldnn_fusion.has_free_symbols = original
@@ -192,7 +193,7 @@ class CompiledRunner:
         self.what = what
         self.compiled = torch.compile(module, dynamic=True)
         self.failed: str | None = None
-        self.onednn = prefers_onednn_float32()
+        self.onednn_rows = ONEDNN_MIN_ROWS if prefers_onednn_float32() else None  # `onednn_float32`
 
     def __call__(self, tokens: torch.Tensor, *args) -> tuple | None:
         """The module's forward on (tokens, *args), or None once compiling or running it has failed."""
@@ -206,7 +207,7 @@ class CompiledRunner:
             # no duck sizing: sizes that happen to be equal when a graph is traced (8 slots, 8 tokens) would become
             # one symbol, and the graph would be traced again the first time they differ
             with (inductor_config.patch(INDUCTOR_OPTIONS), shape_config.patch(use_duck_shape=False),
-                  onednn_float32(self.onednn)):
+                  onednn_float32(self.onednn_rows)):
                 return self.compiled(tokens, *args)
         except Exception as error:  # noqa: BLE001 - any compile failure falls back to the eager forward
             self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

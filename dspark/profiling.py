@@ -37,6 +37,8 @@ def _target_tag(loaded: LoadedTarget, compiled: bool = False) -> str:
         # `dspark.compiled`: steps cost ~2/3 of the eager ones on a CPU; "2" since rounds of several requests run
         # compiled too (session 26), so files measured with eager batched rounds are not read
         dtype += "-compiled2"
+        if model.dtype == torch.float32 and packed_by_default(torch.float32, model.device):
+            dtype += "-onednn"  # every float32 product oneDNN's (`dspark.compiled.onednn_float32`, session 36)
     return f"{loaded.name}-{model.device.type}-{dtype}-t{torch.get_num_threads()}"
 
 

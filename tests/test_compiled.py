@@ -231,7 +231,7 @@ def test_onednn_float32_packs_static_products_of_several_rows_for_onednn(onednn)
 
     module = _StaticRows().eval()
     runner = CompiledRunner(module, "static rows")
-    runner.onednn = onednn
+    runner.onednn_rows = 2 if onednn else None
     scale = torch.tensor(0.5)
     with torch.inference_mode():  # as the engine calls it: inductor freezes (and packs) weights only there
         out, code = run_and_get_code(runner, scale)
@@ -248,8 +248,8 @@ def test_onednn_float32_leaves_one_row_products_and_restores_inductors_choice():
     from dspark.compiled import onednn_float32
 
     original = mkldnn_fusion.has_free_symbols
-    with onednn_float32(True, min_rows=2):
+    with onednn_float32(2):
         assert mkldnn_fusion.has_free_symbols(8) and not mkldnn_fusion.has_free_symbols(1)
-    with onednn_float32(False):
+    with onednn_float32(None):
         assert mkldnn_fusion.has_free_symbols is original
     assert mkldnn_fusion.has_free_symbols is original and not original(8)

@@ -100,6 +100,19 @@ def test_packed_and_plain_bf16_forwards_have_separate_profiles(monkeypatch):
     assert "bfloat16-packed" in packed and profiling.profile_path(dense, 16).name == packed.replace("-packed", "")
 
 
+@pytest.mark.parametrize("onednn", [False, True])
+def test_compiled_float32_forwards_packed_for_onednn_have_profiles_of_their_own(monkeypatch, onednn):
+    """Where compiled float32 products go to oneDNN (`dspark.compiled.onednn_float32`) the compiled forward's and
+    the compiled drafter's costs differ from MKL's, so neither profile of the other kind is read."""
+    loaded = LoadedTarget(tiny_model("llama"), None, "tiny", None)
+    monkeypatch.setattr(profiling, "packed_by_default", lambda dtype, device, numel=None: onednn)
+    compiled, eager = profiling.profile_path(loaded, 16, compiled=True).name, profiling.profile_path(loaded, 16).name
+    assert ("-compiled2-onednn" in compiled) == onednn and "compiled" not in eager and "onednn" not in eager
+    drafter = random_dspark(loaded.model)
+    drafter.block = object()  # compiled (only whether it is matters to the tag)
+    assert profiling.drafter_tag(drafter).endswith("-compiled-onednn" if onednn else "-compiled")
+
+
 def test_draft_profile_times_the_model_behind_a_lookup_and_the_commit_it_projects():
     """Each timed proposal follows a decoding round, so the drafter has that round's features to project
     (as in serving, where commits wait for the next draft); the aside requests sample, so a lookup-first
