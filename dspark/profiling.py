@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
+from dspark.compiled import prefers_onednn_float32
 from dspark.drafters.base import Drafter
 from dspark.engine import Engine, Request, make_backend
 from dspark.errors import DsparkError
 from dspark.loading import LoadedTarget, cache_dir, log, target_dtype_name
-from dspark.packed import packed_by_default
 from dspark.ragged import Segment, auto_packed, default_attention_dtype, supports_ragged
 from dspark.sampling import SamplingParams, make_generator
 from dspark.scheduler import RoundCost, SPSTable, time_interleaved
@@ -37,7 +37,7 @@ def _target_tag(loaded: LoadedTarget, compiled: bool = False) -> str:
         # `dspark.compiled`: steps cost ~2/3 of the eager ones on a CPU; "2" since rounds of several requests run
         # compiled too (session 26), so files measured with eager batched rounds are not read
         dtype += "-compiled2"
-        if model.dtype == torch.float32 and packed_by_default(torch.float32, model.device):
+        if prefers_onednn_float32():
             dtype += "-onednn"  # every float32 product oneDNN's (`dspark.compiled.onednn_float32`, session 36)
     return f"{loaded.name}-{model.device.type}-{dtype}-t{torch.get_num_threads()}"
 
@@ -145,7 +145,7 @@ def drafter_tag(drafter: Drafter) -> str:
     config = getattr(drafter, "config", None)
     described = repr(config.to_dict() if hasattr(config, "to_dict") else config)
     compiled = "-compiled" if drafter.drafts_compiled else ""
-    if compiled and packed_by_default(torch.float32, torch.device("cpu")):
+    if compiled and prefers_onednn_float32():
         compiled += "-onednn"  # its float32 products packed for oneDNN (`dspark.compiled.onednn_float32`, session 36)
     return f"{type(drafter).__name__}-{hashlib.sha1(described.encode()).hexdigest()[:12]}{compiled}"
 

@@ -105,7 +105,7 @@ def test_compiled_float32_forwards_packed_for_onednn_have_profiles_of_their_own(
     """Where compiled float32 products go to oneDNN (`dspark.compiled.onednn_float32`) the compiled forward's and
     the compiled drafter's costs differ from MKL's, so neither profile of the other kind is read."""
     loaded = LoadedTarget(tiny_model("llama"), None, "tiny", None)
-    monkeypatch.setattr(profiling, "packed_by_default", lambda dtype, device, numel=None: onednn)
+    monkeypatch.setattr(profiling, "prefers_onednn_float32", lambda: onednn)
     compiled, eager = profiling.profile_path(loaded, 16, compiled=True).name, profiling.profile_path(loaded, 16).name
     assert ("-compiled2-onednn" in compiled) == onednn and "compiled" not in eager and "onednn" not in eager
     drafter = random_dspark(loaded.model)
